@@ -1,0 +1,224 @@
+"""Model configuration: ``ReMoEConfig`` (a transformers config), presets and validation.
+
+The model config is flat so that it serialises as a Hugging Face ``config.json``; the MoE
+layer gets its own small dataclass (:class:`remoe.model.moe.MoEConfig`) built from it by
+:meth:`ReMoEConfig.moe_config`, so the layer can be used without the rest of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from remoe.errors import ConfigError
+
+#: Every value ``model.router`` accepts. ``dense`` and ``dense_wide`` replace the MoE layer by
+#: a dense SwiGLU FFN of width ``d_ffn`` and ``num_experts * d_ffn`` ("Dense x E") respectively.
+ROUTERS = (
+    "relu",  # ReMoE: ReLU(x W), adaptive load-balanced L1 (this paper)
+    "topk",  # dMoE: TopK(Softmax(x W)), dropless, Switch load-balancing loss
+    "topk_warmup",  # TopK with near-dense warm-up (k = warmup_k for warmup_steps steps)
+    "hash",  # Hash layer: token_id mod E
+    "expert_choice",  # each expert picks its top-C tokens
+    "sparsemixer",  # SparseMixer-v2 (GRIN) gradient estimator for TopK
+    "lory",  # Lory: segment-level expert merging
+    "dense",  # dense FFN with the active width
+    "dense_wide",  # dense FFN with E x the width (the "Dense x 8" upper bound)
+)
+DENSE_ROUTERS = ("dense", "dense_wide")
+REG_TYPES = ("lb", "l1")
+EXPERT_BACKENDS = ("auto", "grouped_mm", "reference")
+
+# Table 1 of the paper (dense backbones); the GPT-2 vocabulary 50257 is padded to 50304
+# (a multiple of 64), as Megatron does. The two small presets train on a laptop CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                  max_position_embeddings=256),
+    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=8192,
+                 max_position_embeddings=512),
+    "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, vocab_size=50304,
+                  max_position_embeddings=1024),
+    "medium": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=4,
+                   vocab_size=50304, max_position_embeddings=1024),
+    "large": dict(hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=4,
+                  vocab_size=50304, max_position_embeddings=1024),
+}
+
+
+class ReMoEConfig(PretrainedConfig):
+    """Configuration of :class:`remoe.ReMoEForCausalLM`.
+
+    Backbone (LLaMA): ``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads`` (GQA
+    groups), ``ffn_hidden_size`` (default 4 x hidden), ``rope_theta``, ``rms_norm_eps``.
+    FFN / routing: ``router`` (one of :data:`ROUTERS`), ``num_experts`` E, ``top_k`` k,
+    ``granularity`` G (E*G experts of width d_ffn/G, k*G active), and each router's options.
+    Sparsity control (ReLU only): ``reg_type`` ("lb" = eq. 9, "l1" = eq. 8), ``lambda0``,
+    ``alpha``. TopK family: ``lb_coeff`` (0.01, the Switch load-balancing weight).
+    """
+
+    model_type = "remoe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 8192,
+        hidden_size: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        ffn_hidden_size: int | None = None,
+        max_position_embeddings: int = 1024,
+        rope_theta: float = 1e6,
+        rms_norm_eps: float = 1e-5,
+        init_std: float = 0.02,
+        router: str = "relu",
+        num_experts: int = 8,
+        top_k: int | None = None,
+        granularity: int = 1,
+        reg_type: str = "lb",
+        lambda0: float = 1e-8,
+        alpha: float = 1.2,
+        lb_coeff: float = 0.01,
+        capacity_factor: float = 1.0,
+        lory_segment_len: int = 256,
+        warmup_k: int = 6,
+        warmup_steps: int = 100,
+        sparsemixer_jitter: float = 0.1,
+        expert_backend: str = "auto",
+        recompute_experts: bool = False,
+        eos_token_id: int | None = 0,
+        bos_token_id: int | None = 0,
+        pad_token_id: int | None = 0,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.ffn_hidden_size = ffn_hidden_size if ffn_hidden_size is not None else 4 * hidden_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.init_std = init_std
+        self.router = router
+        self.num_experts = num_experts
+        # k is stored as `moe_top_k`: transformers treats any config attribute named `top_k` as a
+        # sampling setting. `top_k=` is accepted as the constructor's name for it.
+        self.moe_top_k = top_k if top_k is not None else kwargs.pop("moe_top_k", 1)
+        kwargs.pop("moe_top_k", None)
+        self.granularity = granularity
+        self.reg_type = reg_type
+        self.lambda0 = lambda0
+        self.alpha = alpha
+        self.lb_coeff = lb_coeff
+        self.capacity_factor = capacity_factor
+        self.lory_segment_len = lory_segment_len
+        self.warmup_k = warmup_k
+        self.warmup_steps = warmup_steps
+        self.sparsemixer_jitter = sparsemixer_jitter
+        self.expert_backend = expert_backend
+        self.recompute_experts = recompute_experts
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+                         pad_token_id=pad_token_id, **kwargs)
+        self.validate()
+
+    # transformers' generic code looks for these names
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router not in DENSE_ROUTERS
+
+    @property
+    def target_sparsity(self) -> float:
+        """The sparsity ReMoE steers to: 1 - k/E (G does not change it)."""
+        return 1.0 - self.moe_top_k / self.num_experts
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ReMoEConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"model.preset={name!r} must be one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def moe_config(self):
+        """The MoE layer's own config (see :class:`remoe.model.moe.MoEConfig`)."""
+        from remoe.model.moe import MoEConfig
+
+        return MoEConfig(
+            d_model=self.hidden_size, d_ffn=self.ffn_hidden_size, num_experts=self.num_experts,
+            top_k=self.moe_top_k, granularity=self.granularity, router=self.router,
+            reg_type=self.reg_type, lb_coeff=self.lb_coeff, capacity_factor=self.capacity_factor,
+            lory_segment_len=self.lory_segment_len, warmup_k=self.warmup_k,
+            warmup_steps=self.warmup_steps, sparsemixer_jitter=self.sparsemixer_jitter,
+            expert_backend=self.expert_backend, recompute_experts=self.recompute_experts,
+            init_std=self.init_std,
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (one line naming the field) on an impossible config."""
+        validate_model_fields(self)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _k(c: Any) -> int:
+    return c.moe_top_k if hasattr(c, "moe_top_k") else c.top_k
+
+
+def validate_model_fields(c: Any, prefix: str = "model.") -> None:
+    """Checks shared by :class:`ReMoEConfig` and the YAML loader (``c`` has the same fields)."""
+    p = prefix
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "ffn_hidden_size", "max_position_embeddings", "num_experts", "top_k",
+                 "granularity", "lory_segment_len", "warmup_k"):
+        v = _k(c) if name == "top_k" else getattr(c, name)
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              f"{p}{name}={v!r} must be a positive integer")
+    _need(c.router in ROUTERS, f"{p}router={c.router!r} must be one of {', '.join(ROUTERS)}")
+    _need(c.reg_type in REG_TYPES, f"{p}reg_type={c.reg_type!r} must be one of {', '.join(REG_TYPES)}")
+    _need(c.expert_backend in EXPERT_BACKENDS,
+          f"{p}expert_backend={c.expert_backend!r} must be one of {', '.join(EXPERT_BACKENDS)}")
+    _need(c.hidden_size % c.num_heads == 0,
+          f"{p}num_heads={c.num_heads} must divide {p}hidden_size={c.hidden_size}")
+    _need(c.num_heads % c.num_kv_heads == 0,
+          f"{p}num_kv_heads={c.num_kv_heads} must divide {p}num_heads={c.num_heads}")
+    _need((c.hidden_size // c.num_heads) % 2 == 0,
+          f"{p}hidden_size/num_heads={c.hidden_size // c.num_heads} must be even (RoPE)")
+    _need(_k(c) <= c.num_experts, f"{p}top_k={_k(c)} must be <= {p}num_experts={c.num_experts}")
+    _need(c.ffn_hidden_size % c.granularity == 0,
+          f"{p}granularity={c.granularity} must divide {p}ffn_hidden_size={c.ffn_hidden_size}")
+    _need(c.warmup_k <= c.num_experts,
+          f"{p}warmup_k={c.warmup_k} must be <= {p}num_experts={c.num_experts}")
+    _need(isinstance(c.alpha, (int, float)) and c.alpha > 1.0, f"{p}alpha={c.alpha!r} must be > 1")
+    _need(isinstance(c.lambda0, (int, float)) and c.lambda0 > 0 and math.isfinite(c.lambda0),
+          f"{p}lambda0={c.lambda0!r} must be a positive finite number")
+    _need(isinstance(c.lb_coeff, (int, float)) and c.lb_coeff >= 0,
+          f"{p}lb_coeff={c.lb_coeff!r} must be >= 0")
+    _need(isinstance(c.capacity_factor, (int, float)) and c.capacity_factor > 0,
+          f"{p}capacity_factor={c.capacity_factor!r} must be > 0")
+    _need(isinstance(c.warmup_steps, int) and c.warmup_steps >= 0,
+          f"{p}warmup_steps={c.warmup_steps!r} must be an integer >= 0")
+    _need(isinstance(c.sparsemixer_jitter, (int, float)) and 0 <= c.sparsemixer_jitter < 1,
+          f"{p}sparsemixer_jitter={c.sparsemixer_jitter!r} must be in [0, 1)")
+    _need(c.rope_theta > 0, f"{p}rope_theta={c.rope_theta!r} must be > 0")

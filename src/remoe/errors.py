@@ -1,0 +1,2 @@
+class ConfigError(ValueError):
+    """one-line configuration error naming the field"""

@@ -1,0 +1,118 @@
+"""Stacked SwiGLU experts and the expert-compute backends.
+
+Legend: P active pairs (rows sorted by expert), D model width, H expert width, N experts.
+Weights are stacked 3-D tensors: ``w_in_ND2H`` (gate and up projections side by side) and
+``w_out_NHD``. Two backends compute the same thing:
+
+* ``reference``: a Python loop over experts with plain matmuls (readable, any device/dtype);
+* ``grouped_mm``: one ``torch.nn.functional.grouped_mm`` per projection over the jagged groups.
+
+``auto`` picks ``grouped_mm`` where it is supported (CPU fp32/bf16 with 16-byte aligned widths,
+CUDA bf16) and falls back to ``reference`` otherwise. Keep this module out of ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: D401
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _grouped(x_PK: Tensor, w_NKM: Tensor, offs_N: Tensor) -> Tensor:
+    return _ContiguousGrad.apply(F.grouped_mm(x_PK, w_NKM, offs=offs_N))
+
+
+def swiglu_grouped_mm(x_PD: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor, counts_N: Tensor) -> Tensor:
+    offs_N = counts_N.cumsum(0).to(torch.int32)
+    h_P2H = _grouped(x_PD, w_in_ND2H, offs_N)
+    gate_PH, up_PH = h_P2H.chunk(2, dim=-1)
+    return _grouped((F.silu(gate_PH) * up_PH).contiguous(), w_out_NHD, offs_N)
+
+
+def swiglu_reference(x_PD: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor, counts_N: Tensor) -> Tensor:
+    outs = []
+    for n, x_nD in enumerate(x_PD.split(counts_N.tolist())):
+        if x_nD.shape[0] == 0:
+            continue
+        gate, up = (x_nD @ w_in_ND2H[n]).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w_out_NHD[n])
+    if not outs:
+        return x_PD.new_zeros(0, w_out_NHD.shape[-1])
+    return torch.cat(outs)
+
+
+def grouped_mm_supported(x: Tensor, width: int) -> bool:
+    elem = x.element_size()
+    aligned = (x.shape[-1] * elem) % 16 == 0 and (width * elem) % 16 == 0
+    if x.device.type == "cpu":
+        return aligned and x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
+    return False
+
+
+class SwiGLUExperts(nn.Module):
+    """N SwiGLU experts ``y = (silu(x W_g) * (x W_u)) W_o`` stored as stacked weights."""
+
+    def __init__(self, num_experts: int, d_model: int, d_expert: int, init_std: float = 0.02,
+                 backend: str = "auto", recompute: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.d_model, self.d_expert = num_experts, d_model, d_expert
+        self.backend = backend
+        self.recompute = recompute
+        self.w_in_ND2H = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_expert))
+        self.w_out_NHD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_in_ND2H, std=self.init_std)
+        nn.init.normal_(self.w_out_NHD, std=self.init_std)
+
+    def resolve_backend(self, x: Tensor) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "grouped_mm" if grouped_mm_supported(x, self.d_expert) else "reference"
+
+    def forward(self, x_PD: Tensor, counts_N: Tensor) -> Tensor:
+        """``x_PD`` rows grouped by expert with ``counts_N`` rows each -> ``[P, D]``."""
+        fn = swiglu_grouped_mm if self.resolve_backend(x_PD) == "grouped_mm" else swiglu_reference
+        w_in, w_out = self.w_in_ND2H, self.w_out_NHD
+        if x_PD.dtype != w_in.dtype:  # autocast does not cover grouped_mm
+            w_in, w_out = w_in.to(x_PD.dtype), w_out.to(x_PD.dtype)
+        if self.recompute and torch.is_grad_enabled():
+            # Keep only the inputs; the [P, 2H] activations are rebuilt in backward. This bounds
+            # the memory of ReMoE's dense stages I-II.
+            return checkpoint(fn, x_PD, w_in, w_out, counts_N, use_reentrant=False)
+        return fn(x_PD, w_in, w_out, counts_N)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, d_model={self.d_model}, d_expert={self.d_expert}"
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU FFN (the dense baseline and the building block of attention blocks)."""
+
+    def __init__(self, d_model: int, d_ffn: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_ffn, bias=False)
+        self.w_up = nn.Linear(d_model, d_ffn, bias=False)
+        self.w_down = nn.Linear(d_ffn, d_model, bias=False)
+        for lin in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(lin.weight, std=init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

@@ -1,0 +1,267 @@
+"""A LLaMA-style decoder whose FFNs are dense, dense x E, or MoE layers with any router.
+
+Legend: B batch, S new positions, P cached+new positions, D model width, Hq/Hkv query/KV heads,
+Dh head width, V vocabulary, L layers, N experts per MoE layer.
+
+Pre-norm RMSNorm blocks, RoPE, grouped-query attention through
+``F.scaled_dot_product_attention(..., enable_gqa=True)``, untied embeddings, no biases.
+``ReMoEForCausalLM`` is a transformers ``PreTrainedModel`` + ``GenerationMixin``: it gets
+``save_pretrained``/``from_pretrained`` (safetensors) and ``generate`` (KV cache) from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from remoe.config import ReMoEConfig
+from remoe.model.moe import LayerAux, build_ffn
+from remoe.model.routers import RouterContext
+
+
+@dataclass
+class MoEAux:
+    """Routing losses and statistics of one forward pass, as tensors (reduce once per step)."""
+
+    reg_loss: Tensor  # L_reg: mean over MoE layers of each layer's term (paper's 1/L)
+    aux_loss: Tensor  # sum over layers of fixed-weight auxiliary losses (TopK LB loss)
+    active_counts_LN: Tensor  # [L_moe, N] tokens routed to each expert of each MoE layer
+    num_tokens: int  # T tokens in this forward
+    masks: list[Tensor] | None = None  # per MoE layer bool [T, N] when record_masks=True
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.active_counts_LN.shape[0]
+
+    @property
+    def layer_sparsity(self) -> Tensor:
+        """[L_moe]: 1 - active pairs / (T * N) per layer."""
+        L, N = self.active_counts_LN.shape
+        return 1.0 - self.active_counts_LN.sum(1) / max(self.num_tokens * N, 1)
+
+    @property
+    def sparsity(self) -> Tensor:
+        """S: 1 - active pairs / (L * T * N) (paper eq. 7); 0 for a model without MoE layers."""
+        L, N = self.active_counts_LN.shape
+        if L == 0:
+            return self.active_counts_LN.new_zeros(())
+        return 1.0 - self.active_counts_LN.sum() / max(L * self.num_tokens * N, 1)
+
+
+@dataclass
+class ReMoEOutput(CausalLMOutputWithPast):
+    """``loss`` is the LM loss alone; routing losses and statistics are in ``aux``."""
+
+    aux: MoEAux | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(pos_BS: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BS.device,
+                                              dtype=torch.float32) / head_dim))
+    ang_BSd = pos_BS.float().unsqueeze(-1) * inv_freq
+    ang = torch.cat([ang_BSd, ang_BSd], dim=-1)[:, None]  # [B, 1, S, Dh]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x_BHSDh: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x_BHSDh.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHSDh.float() * cos + rotated.float() * sin).to(x_BHSDh.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE and an optional transformers KV cache."""
+
+    def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_q, self.n_kv, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        D = cfg.hidden_size
+        self.q_proj = nn.Linear(D, self.n_q * self.dh, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * self.dh, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * self.dh, bias=False)
+        self.o_proj = nn.Linear(self.n_q * self.dh, D, bias=False)
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None,
+                cache: DynamicCache | None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(B, S, self.n_q, self.dh).transpose(1, 2)
+        k = self.k_proj(x_BSD).view(B, S, self.n_kv, self.dh).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(B, S, self.n_kv, self.dh).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if attn_mask is None:
+            # no padding, no cached prefix (or a single new position): plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1 and k.shape[2] == S,
+                                                 enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_q * self.dh))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = build_ffn(cfg.moe_config())
+
+    def forward(self, x, cos, sin, attn_mask, cache, ctx: RouterContext) -> tuple[Tensor, LayerAux]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache)
+        y, aux = self.ffn(self.ffn_norm(x), ctx)
+        return x + y, aux
+
+
+def _attention_mask(attention_mask_BP: Tensor | None, S: int, P: int, device) -> Tensor | None:
+    """Boolean [B, 1, S, P] mask (True = attend) or None when plain causal attention is exact."""
+    has_padding = attention_mask_BP is not None and not bool(attention_mask_BP.all())
+    if not has_padding and (S == P or S == 1):
+        return None
+    causal_SP = torch.ones(S, P, dtype=torch.bool, device=device).tril(diagonal=P - S)
+    mask = causal_SP[None, None]
+    if has_padding:
+        mask = mask & attention_mask_BP[:, None, None, -P:].bool()
+        # a fully-masked row (left padding queries) would give NaN: let it see itself
+        mask = mask | torch.eye(S, P, dtype=torch.bool, device=device).roll(P - S, 1)[None, None]
+    return mask
+
+
+class ReMoEPreTrainedModel(PreTrainedModel):
+    config_class = ReMoEConfig
+    base_model_prefix = "remoe"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DecoderBlock"]
+    _supports_cache_class = True
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif hasattr(module, "reset_parameters") and module.__class__.__module__.startswith("remoe"):
+            module.reset_parameters()
+
+
+class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
+    """Decoder-only LM. ``forward(input_ids, labels=...)`` returns :class:`ReMoEOutput`."""
+
+    def __init__(self, config: ReMoEConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        use_cache: bool | None = None,
+        train_step: int | None = None,
+        record_masks: bool = False,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> ReMoEOutput:
+        """``labels`` are the inputs (shifted inside, -100 ignored) as in transformers.
+
+        ``train_step``: the optimizer step (schedules such as TopK warm-up); ``None`` means
+        inference. ``record_masks``: also return every MoE layer's boolean routing mask.
+        """
+        B, S = input_ids.shape
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        cache = past_key_values if (use_cache or past_key_values is not None) else None
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            if attention_mask is not None and not bool(attention_mask.all()):
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -S:]
+            else:
+                position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        attn_mask = _attention_mask(attention_mask, S, past + S, input_ids.device)
+        ctx = RouterContext(batch_size=B, seq_len=S, token_ids_T=input_ids.reshape(-1),
+                            step=train_step, record_masks=record_masks)
+
+        x = self.embed_tokens(input_ids)
+        layer_aux: list[LayerAux] = []
+        for block in self.layers:
+            x, aux = block(x, cos, sin, attn_mask, cache, ctx)
+            layer_aux.append(aux)
+        x = self.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(x)
+
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+        return ReMoEOutput(loss=loss, logits=logits, past_key_values=cache,
+                           aux=self._collect_aux(layer_aux, B * S, input_ids.device))
+
+    def _collect_aux(self, layer_aux: list[LayerAux], T: int, device) -> MoEAux:
+        routed = [a for a in layer_aux if a.active_counts_N.numel() > 0]
+        zero = torch.zeros((), device=device)
+        if not routed:
+            return MoEAux(zero, zero, torch.zeros(0, 0, device=device), T)
+        reg = torch.stack([a.reg_loss for a in routed]).mean()
+        aux = torch.stack([a.aux_loss for a in layer_aux]).sum()
+        counts = torch.stack([a.active_counts_N for a in routed])
+        masks = [a.mask_TN for a in routed] if routed[0].mask_TN is not None else None
+        return MoEAux(reg, aux, counts, T, masks)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
+                       active: bool = False) -> int:
+        """Parameter count; ``active=True`` counts only the k*G experts a token uses per layer."""
+        total = super().num_parameters(only_trainable=only_trainable,
+                                       exclude_embeddings=exclude_embeddings)
+        if not active:
+            return total
+        inactive = 0
+        for block in self.layers:
+            experts = getattr(block.ffn, "experts", None)
+            if experts is None or not hasattr(experts, "w_in_ND2H"):
+                continue
+            cfg = block.ffn.cfg
+            per_expert = (experts.w_in_ND2H[0].numel() + experts.w_out_NHD[0].numel())
+            inactive += (cfg.num_routed - cfg.top_k * cfg.granularity) * per_expert
+        return total - inactive

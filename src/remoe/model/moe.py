@@ -1,0 +1,125 @@
+"""The MoE layer: router -> dispatch -> experts -> combine.  It knows no router by name.
+
+Legend: T tokens, D model width, N experts (E*G), H expert width (d_ffn/G), P active pairs.
+
+``MoELayer`` is usable on its own, as a drop-in FFN replacement::
+
+    layer = MoELayer(MoEConfig(d_model=512, d_ffn=2048, num_experts=8, top_k=1))
+    y, aux = layer(x)            # x: [..., D] -> y: [..., D]; aux: LayerAux
+
+A token whose router activates no expert gets exact zeros (only the residual carries it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from remoe.model import dispatch
+from remoe.model.experts import SwiGLU, SwiGLUExperts
+from remoe.model.routers import RouterContext, build_router
+
+
+@dataclass
+class MoEConfig:
+    """Config of one FFN slot: dense, dense x E, or an MoE layer with any router."""
+
+    d_model: int
+    d_ffn: int  # width of the dense FFN an expert replaces (each expert: d_ffn / granularity)
+    num_experts: int = 8  # E
+    top_k: int = 1  # k (k*G experts active; ReLU: target sparsity 1 - k/E)
+    granularity: int = 1  # G
+    router: str = "relu"
+    reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
+    lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
+    capacity_factor: float = 1.0  # expert choice
+    lory_segment_len: int = 256
+    warmup_k: int = 6
+    warmup_steps: int = 100
+    sparsemixer_jitter: float = 0.1
+    expert_backend: str = "auto"  # auto | grouped_mm | reference
+    recompute_experts: bool = False
+    init_std: float = 0.02
+
+    @property
+    def num_routed(self) -> int:
+        return self.num_experts * self.granularity
+
+    @property
+    def d_expert(self) -> int:
+        return self.d_ffn // self.granularity
+
+    @property
+    def target_sparsity(self) -> float:
+        return 1.0 - self.top_k / self.num_experts
+
+
+@dataclass
+class LayerAux:
+    """What one FFN slot reports besides its output (tensors: no host sync in forward)."""
+
+    reg_loss: Tensor  # scalar: this layer's L_reg term (scaled by lambda outside)
+    aux_loss: Tensor  # scalar: fixed-weight auxiliary loss
+    active_counts_N: Tensor  # float [N]: tokens routed to each expert ([0] for dense FFNs)
+    num_tokens: int
+    mask_TN: Tensor | None = None  # bool [T, N] when ctx.record_masks
+
+
+def _context_for(x: Tensor, ctx: RouterContext | None) -> RouterContext:
+    if ctx is not None:
+        return ctx
+    lead = x.shape[:-1]
+    B = lead[0] if len(lead) > 1 else 1
+    return RouterContext(batch_size=B, seq_len=x[..., 0].numel() // max(B, 1))
+
+
+class MoELayer(nn.Module):
+    """Token-routed experts: any :class:`~remoe.model.routers.Router`, dropless dispatch."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = build_router(cfg)
+        self.experts = SwiGLUExperts(cfg.num_routed, cfg.d_model, cfg.d_expert, cfg.init_std,
+                                     backend=cfg.expert_backend, recompute=cfg.recompute_experts)
+
+    def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
+        ctx = _context_for(x, ctx)
+        x_TD = x.reshape(-1, x.shape[-1])
+        T = x_TD.shape[0]
+        r = self.router(x_TD, ctx)
+        plan = dispatch.plan(r.mask_TN)
+        x_PD = dispatch.permute(x_TD, plan)
+        y_PD = self.experts(x_PD, plan.counts_N)
+        gates_P = r.gates_TN[plan.token_idx_P, plan.expert_idx_P]
+        y_TD = dispatch.unpermute(y_PD, gates_P, plan, T)
+        aux = LayerAux(r.reg_loss, r.aux_loss, plan.counts_N.float(), T,
+                       r.mask_TN if ctx.record_masks else None)
+        return y_TD.view_as(x), aux
+
+
+class DenseFFN(nn.Module):
+    """Dense SwiGLU in the same slot (``dense``: width d_ffn; ``dense_wide``: E x d_ffn)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        width = cfg.d_ffn * (cfg.num_experts if cfg.router == "dense_wide" else 1)
+        self.ffn = SwiGLU(cfg.d_model, width, cfg.init_std)
+
+    def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
+        z = x.new_zeros((), dtype=torch.float32)
+        T = x[..., 0].numel()
+        return self.ffn(x), LayerAux(z, z, x.new_zeros(0, dtype=torch.float32), T)
+
+
+def build_ffn(cfg: MoEConfig) -> nn.Module:
+    """The FFN slot named by ``cfg.router``; every kind returns ``(y, LayerAux)``."""
+    if cfg.router in ("dense", "dense_wide"):
+        return DenseFFN(cfg)
+    if cfg.router == "lory":
+        from remoe.model.lory import LoryMoE
+
+        return LoryMoE(cfg)
+    return MoELayer(cfg)

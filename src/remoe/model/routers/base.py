@@ -1,0 +1,64 @@
+"""The router interface shared by every routing method.
+
+Legend: T tokens, D model width, N routed experts (E*G).
+
+A router maps token states ``x_TD`` to a :class:`Routing`: per-token gates ``gates_TN`` (zero
+where inactive), the boolean active mask ``mask_TN`` and its auxiliary losses. Dispatch and the
+experts only ever see a Routing, never the router that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class RouterContext:
+    """What a router may need besides the token states.
+
+    ``token_ids_T`` (hash routing), ``batch_size``/``seq_len`` (segment or sequence-level
+    routers), ``step`` (the optimizer step in training; ``None`` at inference: schedules such as
+    the TopK warm-up then use their final value), ``record_masks`` (return each layer's mask).
+    """
+
+    batch_size: int
+    seq_len: int
+    token_ids_T: Tensor | None = None
+    step: int | None = None
+    record_masks: bool = False
+
+
+@dataclass
+class Routing:
+    gates_TN: Tensor  # float: the weight of each expert's output, 0 where inactive
+    mask_TN: Tensor  # bool: active (token, expert) pairs
+    reg_loss: Tensor  # scalar: the term multiplied by the adaptive lambda (ReLU); 0 otherwise
+    aux_loss: Tensor  # scalar: auxiliary loss already multiplied by its fixed coefficient
+
+
+class Router(nn.Module):
+    """Base class: subclasses implement :meth:`forward` ``(x_TD, ctx) -> Routing``."""
+
+    #: True when the router's ``reg_loss`` must be scaled by the adaptive lambda controller.
+    uses_adaptive_reg: bool = False
+
+    def __init__(self, d_model: int, num_experts: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.d_model, self.num_experts = d_model, num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))  # W^T: [N, D]
+        nn.init.normal_(self.weight, std=init_std)
+
+    def logits(self, x_TD: Tensor) -> Tensor:
+        """``x W`` in fp32 whatever the autocast dtype (routing decisions are precision-sensitive)."""
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            return x_TD.float() @ self.weight.float().t()
+
+    def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:  # pragma: no cover
+        raise NotImplementedError
+
+
+def zero(x: Tensor) -> Tensor:
+    return x.new_zeros((), dtype=torch.float32)

@@ -1,0 +1,56 @@
+"""The TopK baseline (dMoE): ``TopK(Softmax(x W), k*G)``, dropless, Switch load-balancing loss.
+
+Legend: T tokens, D model width, N experts (E*G), K active experts per token.
+Includes the near-dense warm-up variant of the paper's Appendix F (``warmup_k`` active experts
+for the first ``warmup_steps`` optimizer steps, then ``k``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from remoe.model.routers.base import Router, RouterContext, Routing, zero
+
+
+def switch_load_balancing_loss(probs_TN: Tensor, mask_TN: Tensor) -> Tensor:
+    """Fedus et al. (2022): ``N * sum_e f_e P_e``, f = fraction of routed pairs, P = mean prob.
+
+    Equals 1 under perfect balance; ``f`` carries no gradient.
+    """
+    T, N = probs_TN.shape
+    if T == 0:
+        return zero(probs_TN)
+    f_N = mask_TN.float().sum(0) / mask_TN.float().sum().clamp_min(1.0)
+    P_N = probs_TN.float().mean(0)
+    return N * (f_N.detach() * P_N).sum()
+
+
+def topk_mask(scores_TN: Tensor, k: int) -> Tensor:
+    idx_TK = scores_TN.topk(k, dim=-1).indices
+    return torch.zeros_like(scores_TN, dtype=torch.bool).scatter_(1, idx_TK, True)
+
+
+class TopKRouter(Router):
+    """Softmax over N experts, keep the K largest (gates are the un-renormalised probabilities)."""
+
+    def __init__(self, d_model: int, num_experts: int, k: int, lb_coeff: float = 0.01,
+                 warmup_k: int | None = None, warmup_steps: int = 0, init_std: float = 0.02) -> None:
+        super().__init__(d_model, num_experts, init_std)
+        self.k = k
+        self.lb_coeff = lb_coeff
+        self.warmup_k = warmup_k
+        self.warmup_steps = warmup_steps
+
+    def active_k(self, step: int | None) -> int:
+        """k in force at an optimizer step (``None`` = inference = after warm-up)."""
+        if self.warmup_k is not None and step is not None and step < self.warmup_steps:
+            return self.warmup_k
+        return self.k
+
+    def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
+        probs_TN = torch.softmax(self.logits(x_TD), dim=-1)
+        mask_TN = topk_mask(probs_TN, self.active_k(ctx.step))
+        gates_TN = probs_TN * mask_TN
+        aux = self.lb_coeff * switch_load_balancing_loss(probs_TN, mask_TN) if self.lb_coeff else zero(x_TD)
+        return Routing(gates_TN, mask_TN, zero(x_TD), aux)
