@@ -1,0 +1,51 @@
+"""The ``remoe`` command: ``remoe data|train|eval|analyze|report|bench``.
+
+Each subcommand lives in its package as a module with ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them. A :class:`ConfigError` anywhere is printed as
+one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from remoe.errors import ConfigError
+
+COMMANDS = {
+    "data": ("remoe.data.cli", "build the corpus, tokenizer and token cache"),
+    "train": ("remoe.train.cli", "train a model from a YAML config (with --set overrides)"),
+    "eval": ("remoe.eval.cli", "validation loss per domain and zero-shot tasks via lm-eval"),
+    "analyze": ("remoe.analysis.cli", "the paper's analyses of a run: stages, sparsity, flips, routing"),
+    "report": ("remoe.analysis.report_cli", "an HTML report of one or several runs"),
+    "bench": ("remoe.bench.cli", "layer / model / machine benchmarks (table + JSON)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remoe", description="ReLU-routed Mixture-of-Experts "
+                                     "language models: train, evaluate, analyse.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ConfigError as e:
+        print(f"remoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"remoe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
