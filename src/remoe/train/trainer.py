@@ -1,0 +1,583 @@
+"""The training loop.
+
+One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
+
+    for each micro-batch: out = model(x, labels=x, train_step=step)
+        loss = L_lm + lambda_i * L_reg + L_aux          (lambda_i from the controller)
+        (loss / grad_accum).backward(); accumulate routing counts as tensors
+    all-reduce the step's statistics once -> S_i, per-layer sparsity, expert counts
+    clip, optimizer step, LR schedule; controller.update(S_i)  (same lambda on every rank)
+    metrics line (JSONL), progress, periodic validation / mask recording / atomic checkpoint
+
+Batches are a pure function of (seed, step, micro-step, rank), and RNG states, optimizer,
+scheduler and controller are checkpointed, so ``resume`` continues bit-exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from remoe.errors import ConfigError
+from remoe.model import ReMoEForCausalLM
+from remoe.sparsity import LambdaController
+from remoe.train import checkpoint as ckpt_io
+from remoe.train.config import ExperimentConfig
+from remoe.train.flops import FlopCounter
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+
+# ----------------------------------------------------------------------------- set-up helpers
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def resolve_device(name: str, info: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
+        torch.cuda.set_device(info.local_rank)
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
+
+
+def cosine_lr(step: int, base: float, min_lr: float, warmup: int, total: int) -> float:
+    """Linear warm-up to ``base`` then cosine decay to ``min_lr`` at ``total`` (0-based step)."""
+    if warmup > 0 and step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (base - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _to_weights_only(obj: Any) -> Any:
+    """Make python/numpy RNG states loadable with ``torch.load(weights_only=True)``."""
+    if isinstance(obj, tuple):
+        return [_to_weights_only(o) for o in obj]
+    if isinstance(obj, list):
+        return [_to_weights_only(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_weights_only(v) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), int(np_state[2]),
+                         int(np_state[3]), float(np_state[4])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class MetricsWriter:
+    """Append-only JSONL, one line per record, flushed; truncated to ``step`` on resume."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            keep = [ln for ln in path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            ckpt_io.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+        elif resume_step is None and path.exists():
+            path.unlink()
+        self.fh = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Runs an :class:`ExperimentConfig`; ``train()`` returns the end-of-run summary dict."""
+
+    def __init__(self, cfg: ExperimentConfig, resume: bool = False, progress: bool | None = None,
+                 data=None) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        tc = cfg.train
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
+        self.dist = init_distributed("cuda" if want_cuda else "cpu")
+        self.device = resolve_device(tc.device, self.dist)
+        precision = tc.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
+        self.run_dir = cfg.run_dir
+
+        # data (rank 0 builds the cache, the others then load it)
+        if data is None:
+            from remoe.data import prepare_data
+
+            if self.dist.is_main:
+                data = prepare_data(cfg.data, progress=self.progress)
+            self._barrier()
+            if not self.dist.is_main:
+                data = prepare_data(cfg.data, progress=False)
+        self.data = data
+        self.sampler = data.train_batches(seq_len=tc.seq_len, micro_batch=tc.micro_batch_size,
+                                          grad_accum=tc.grad_accum,
+                                          world_size=self.dist.world_size, seed=cfg.run.seed)
+
+        # model
+        torch.manual_seed(cfg.run.seed)
+        vocab = _round_up(data.vocab_size, 64)
+        self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
+                                          bos_token_id=data.eos_id, pad_token_id=data.eos_id)
+        if self.model_cfg.vocab_size < data.vocab_size:
+            raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
+                              f"tokenizer's vocabulary ({data.vocab_size})")
+        self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
+        self.flops = FlopCounter(self.model_cfg, tc.seq_len)
+        self.controller = (LambdaController(self.model_cfg.target_sparsity, self.model_cfg.lambda0,
+                                            self.model_cfg.alpha)
+                           if self.model_cfg.router == "relu" else None)
+        self.optimizer = self._build_optimizer()
+        self.step = 0
+        self.tokens = 0
+        self.total_flops = 0.0
+        self.elapsed = 0.0
+        self.settled_step: int | None = None
+        self.best_val: float | None = None
+        self.last_eval: dict[str, Any] | None = None
+
+        self.ckpt_root = self.run_dir / "checkpoints"
+        resume_from = ckpt_io.latest_checkpoint(self.ckpt_root) if resume else None
+        if resume and resume_from is None:
+            raise ConfigError(f"--resume: no checkpoint found under {self.ckpt_root}")
+        if resume_from is not None:
+            self._load(resume_from)
+        self.wrapped = self._wrap_model()
+        self.calib = self._calibration_set()
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
+            rs = self.step if resume_from is not None else None
+            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
+            self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
+            self.tb = self._tensorboard()
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.dist.enabled:
+            dist.barrier()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        tc = self.cfg.train
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # norms and the routers' weights (whose scale IS the routing) get no weight decay
+            (no_decay if p.ndim < 2 or ".router." in name else decay).append(p)
+        groups = [{"params": decay, "weight_decay": tc.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                                 foreach=self.device.type == "cuda")
+
+    def _wrap_model(self):
+        if not self.dist.enabled:
+            return self.model
+        if self.cfg.train.distributed == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.layers:
+                fully_shard(block)
+            fully_shard(self.model)
+            return self.model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   find_unused_parameters=self.model_cfg.router in ("hash", "lory"))
+
+    def _tensorboard(self):
+        if not self.cfg.train.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # pragma: no cover - depends on the optional extra
+            raise ConfigError("train.tensorboard=true needs the tensorboard package "
+                              "(pip install tensorboard)") from e
+        return SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _calibration_set(self) -> torch.Tensor | None:
+        ac = self.cfg.analysis
+        if ac.record_masks_every <= 0 or not self.model_cfg.is_moe:
+            return None
+        seq = self.cfg.train.seq_len
+        rows = []
+        for input_ids, _ in self._eval_batches():
+            rows.append(input_ids[:, :seq])
+            if sum(r.shape[0] for r in rows) * seq >= ac.calib_tokens:
+                break
+        if not rows:
+            return None
+        ids = torch.cat(rows)
+        n = max(1, math.ceil(ac.calib_tokens / seq))
+        return ids[:n]
+
+    def _eval_batches(self):
+        tc = self.cfg.train
+        return self.data.eval_batches("validation", seq_len=tc.seq_len,
+                                      batch_size=tc.eval_batch_size,
+                                      max_chunks_per_domain=tc.eval_chunks_per_domain)
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "tokens": self.tokens, "flops": self.total_flops,
+            "elapsed": self.elapsed, "settled_step": self.settled_step,
+            "optimizer": self.optimizer.state_dict(),
+            "controller": self.controller.state_dict() if self.controller else None,
+            "rng": _to_weights_only(rng_state()),
+            "data": {"seed": self.cfg.run.seed, "next_step": self.step},
+        }
+
+    def _load(self, ckpt: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = ckpt_io.load_trainer_state(ckpt)
+        weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if unexpected or [m for m in missing if m in dict(self.model.named_parameters())]:
+            raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
+                              f"(missing={missing[:3]}, unexpected={unexpected[:3]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
+        self.settled_step = state.get("settled_step")
+        set_rng_state(state["rng"])
+
+    def save(self) -> Path | None:
+        path = None
+        if self.dist.is_main:
+            path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model, self._state(),
+                                           getattr(self.data, "tokenizer_path", None),
+                                           self.cfg.train.keep_last)
+        self._barrier()
+        return path
+
+    # -- one optimizer step -------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict[str, Any]:
+        tc = self.cfg.train
+        model, step = self.wrapped, self.step
+        lr = cosine_lr(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        coeff = self.controller.coeff if self.controller else 0.0
+        t0 = time.perf_counter()
+        self.model.train()
+        sums = torch.zeros(4, dtype=torch.float64)  # lm, reg, aux, tokens (per rank)
+        counts = None
+        for micro in range(tc.grad_accum):
+            input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
+            input_ids = input_ids.to(self.device, non_blocking=True)
+            sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
+            with (nullcontext() if sync else model.no_sync()), self._autocast():
+                out = model(input_ids=input_ids, labels=input_ids, train_step=step)
+                aux = out.aux
+                loss = out.loss + coeff * aux.reg_loss + aux.aux_loss
+            (loss / tc.grad_accum).backward()
+            sums += torch.stack([out.loss.detach().double().cpu(),
+                                 aux.reg_loss.detach().double().cpu(),
+                                 aux.aux_loss.detach().double().cpu(),
+                                 torch.tensor(float(input_ids.numel()), dtype=torch.float64)])
+            c = aux.active_counts_LN.detach().double().cpu()
+            counts = c if counts is None else counts + c
+        # one reduction of everything the step reports
+        packed = torch.cat([sums, counts.flatten()])
+        if self.dist.enabled:
+            packed = packed.to(self.device)
+            dist.all_reduce(packed)
+            packed = packed.cpu()
+        n_micro = tc.grad_accum * self.dist.world_size
+        lm, reg, aux_l, step_tokens = (packed[:4] / torch.tensor([n_micro, n_micro, n_micro, 1])).tolist()
+        counts_LN = packed[4:].view_as(counts)
+        if not all(math.isfinite(v) for v in (lm, reg, aux_l)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"loss became non-finite at step {step + 1} (lm_loss={lm}, "
+                                   f"reg_loss={reg}, aux_loss={aux_l}); stopping. Last good "
+                                   f"checkpoint: {ckpt_io.latest_checkpoint(self.ckpt_root)}")
+        grad_norm = self._clip()
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"gradient norm became non-finite at step {step + 1}; stopping. "
+                                   f"Last good checkpoint: "
+                                   f"{ckpt_io.latest_checkpoint(self.ckpt_root)}")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        L, N = counts_LN.shape
+        tokens_per_layer = step_tokens  # every layer sees every token
+        active_pairs = float(counts_LN.sum())
+        sparsity = 1.0 - active_pairs / (L * tokens_per_layer * N) if L else 0.0
+        layer_sparsity = (1.0 - counts_LN.sum(1) / (tokens_per_layer * N)).tolist() if L else []
+        if self.controller is not None:
+            self.controller.update(sparsity)
+        step_flops = self.flops.train_flops(int(step_tokens),
+                                            self.flops.effective_pairs(active_pairs, int(step_tokens)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.tokens += int(step_tokens)
+        self.total_flops += step_flops
+        self.elapsed += dt
+        return {
+            "step": self.step, "tokens": self.tokens, "flops": self.total_flops, "lr": lr,
+            "loss": lm + coeff * reg + aux_l, "lm_loss": lm, "reg_loss": reg, "aux_loss": aux_l,
+            "lambda": coeff, "sparsity": sparsity, "layer_sparsity": layer_sparsity,
+            "expert_counts": counts_LN.tolist(), "active_k": (active_pairs / (L * step_tokens)
+                                                              if L else 0.0),
+            "step_tokens": int(step_tokens), "grad_norm": grad_norm,
+            "tokens_per_s": step_tokens / dt, "elapsed_s": self.elapsed,
+        }
+
+    def _clip(self) -> float:
+        clip = self.cfg.train.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+    # -- periodic work ----------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        from remoe.eval.loss import evaluate_loss
+
+        res = evaluate_loss(self.model, self._eval_batches(), list(self.data.domains),
+                            device=self.device)
+        rec = {"step": self.step, "tokens": self.tokens, "val_loss": res["loss"],
+               "val_ppl": res["ppl"],
+               "domains": {d: v["loss"] for d, v in res["domains"].items()}}
+        self.last_eval = rec
+        if self.dist.is_main:
+            self.evals.write(rec)
+            if self.tb:
+                self.tb.add_scalar("val/loss", rec["val_loss"], self.step)
+        return rec
+
+    @torch.no_grad()
+    def record_masks(self) -> None:
+        if self.calib is None or not self.dist.is_main:
+            return
+        self.model.eval()
+        out = self.model(input_ids=self.calib.to(self.device), record_masks=True)
+        masks = torch.stack([m.cpu() for m in out.aux.masks]).numpy()  # [L, T, N]
+        out_dir = self.run_dir / "routing"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"masks_{self.step:07d}.npz"
+        tmp = out_dir / f".masks_{self.step:07d}.tmp.npz"
+        np.savez_compressed(tmp, masks=np.packbits(masks, axis=-1), shape=np.array(masks.shape),
+                            token_ids=self.calib.reshape(-1).numpy(), step=np.array(self.step))
+        os.replace(tmp, path)
+        self.model.train()
+
+    def _log(self, rec: dict[str, Any], bar) -> None:
+        if not self.dist.is_main:
+            return
+        self.metrics.write(rec)
+        if self.tb:
+            for k in ("loss", "lm_loss", "reg_loss", "aux_loss", "lambda", "sparsity", "lr",
+                      "tokens_per_s", "grad_norm"):
+                self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+        brief = (f"step {rec['step']:>5}  lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
+                 f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}  "
+                 f"{rec['tokens_per_s']:,.0f} tok/s")
+        if bar is not None:
+            bar.set_postfix_str(brief.split("  ", 1)[1])
+            bar.update(1)
+        elif self.cfg.train.log_every and (rec["step"] % self.cfg.train.log_every == 0
+                                           or rec["step"] == 1):
+            print(brief, flush=True)
+
+    def _should_stop(self) -> str | None:
+        tc = self.cfg.train
+        if self.step >= tc.max_steps:
+            return f"reached train.max_steps={tc.max_steps}"
+        if tc.max_tokens is not None and self.tokens >= tc.max_tokens:
+            return f"reached train.max_tokens={tc.max_tokens}"
+        if tc.max_flops is not None and self.total_flops >= tc.max_flops:
+            return f"reached train.max_flops={tc.max_flops:.3g}"
+        return None
+
+    def _track_settling(self, rec: dict[str, Any]) -> None:
+        """First step after which sparsity stays within 1% of the target (for the summary)."""
+        if self.controller is None:
+            return
+        close = abs(rec["sparsity"] - self.model_cfg.target_sparsity) <= 0.01
+        if close and self.settled_step is None:
+            self.settled_step = rec["step"]
+        elif not close and self.settled_step is not None and rec["sparsity"] < \
+                self.model_cfg.target_sparsity - 0.05:
+            self.settled_step = None
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        tc, ac = self.cfg.train, self.cfg.analysis
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=tc.max_steps, initial=self.step, desc=self.cfg.run.name,
+                       dynamic_ncols=True)
+        if self.step == 0 and ac.record_masks_every:
+            self.record_masks()
+        reason = self._should_stop()
+        last_rec = None
+        try:
+            while reason is None:
+                rec = self.train_step()
+                last_rec = rec
+                self._track_settling(rec)
+                self._log(rec, bar)
+                if ac.record_masks_every and self.step % ac.record_masks_every == 0:
+                    self.record_masks()
+                if tc.eval_every and self.step % tc.eval_every == 0:
+                    self.evaluate()
+                reason = self._should_stop()
+                if tc.save_every and self.step % tc.save_every == 0 and reason is None:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.last_eval is None or self.last_eval["step"] != self.step:
+            self.evaluate()
+        self.save()
+        summary = self._finish(reason, last_rec)
+        return summary
+
+    def _finish(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
+        final_dir = self.run_dir / "final"
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run_dir), "stop_reason": reason, "steps": self.step,
+            "tokens": self.tokens, "flops": self.total_flops, "elapsed_s": self.elapsed,
+            "tokens_per_s": self.tokens / self.elapsed if self.elapsed else None,
+            "router": self.model_cfg.router,
+            "params_total": self.model.num_parameters(),
+            "params_active": self.model.num_parameters(active=True),
+            "target_sparsity": self.model_cfg.target_sparsity if self.model_cfg.is_moe else None,
+            "final_lm_loss": last["lm_loss"] if last else None,
+            "final_sparsity": last["sparsity"] if last else None,
+            "final_lambda": self.controller.coeff if self.controller else None,
+            "settling_step": self.settled_step,
+            "val_loss": self.last_eval["val_loss"] if self.last_eval else None,
+            "val_domains": self.last_eval["domains"] if self.last_eval else None,
+            "final_dir": str(final_dir),
+        }
+        if self.dist.is_main:
+            tmp = self.run_dir / ".final.tmp"
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            tok = getattr(self.data, "tokenizer_path", None)
+            if tok:
+                import shutil
+
+                shutil.copyfile(tok, tmp / "tokenizer.json")
+            if final_dir.exists():
+                import shutil
+
+                shutil.rmtree(final_dir)
+            os.replace(tmp, final_dir)
+            ckpt_io.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            self.metrics.close()
+            self.evals.close()
+            if self.tb:
+                self.tb.close()
+        self._barrier()
+        return summary
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [
+        f"run          {s['run_dir']}  ({s['stop_reason']})",
+        f"router       {s['router']}   params total {s['params_total'] / 1e6:.2f}M, "
+        f"active {s['params_active'] / 1e6:.2f}M",
+        f"trained      {s['steps']} steps, {s['tokens']:,} tokens, {s['flops']:.3g} FLOPs, "
+        f"{s['elapsed_s']:.0f} s ({f(s['tokens_per_s'], ',.0f')} tokens/s)",
+        f"final loss   train LM {f(s['final_lm_loss'], '.4f')}, validation {f(s['val_loss'], '.4f')}",
+    ]
+    if s.get("val_domains"):
+        lines.append("per domain   " + ", ".join(f"{k} {v:.3f}" for k, v in s["val_domains"].items()))
+    if s["target_sparsity"] is not None:
+        lines.append(f"sparsity     {f(s['final_sparsity'], '.4f')} (target "
+                     f"{s['target_sparsity']:.4f})   lambda {f(s['final_lambda'], '.3e')}   "
+                     f"settled at step {f(s['settling_step'], 'd')}")
+    lines.append(f"outputs      metrics {s['run_dir']}/metrics.jsonl, model {s['final_dir']}")
+    return "\n".join(lines)
