@@ -23,7 +23,10 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; only the chosen command's module is imported (fast ``--help``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if a in COMMANDS), None)
     parser = argparse.ArgumentParser(prog="remoe", description="ReLU-routed Mixture-of-Experts "
                                      "language models: train, evaluate, analyse.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -31,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except ConfigError as e:

@@ -153,6 +153,9 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         tc = cfg.train
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bars at every checkpoint
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())

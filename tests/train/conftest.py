@@ -1,0 +1,31 @@
+import pytest
+
+from remoe.data import DataConfig, prepare_data
+
+
+@pytest.fixture(scope="session")
+def tiny_data_cfg(tmp_path_factory):
+    """A small built-in corpus + 384-token BPE, built once for the session."""
+    cache = tmp_path_factory.mktemp("train_data")
+    cfg = DataConfig(cache_dir=str(cache), max_bytes_per_domain=60_000, vocab_size=384)
+    prepare_data(cfg, progress=False)
+    return cfg
+
+
+@pytest.fixture
+def make_overrides(tiny_data_cfg):
+    return lambda out_dir, name, **extra: _overrides(tiny_data_cfg, out_dir, name, **extra)
+
+
+def _overrides(data_cfg, out_dir, name, **extra):
+    """--set overrides for a micro model on the session corpus."""
+    base = {
+        "run.out_dir": str(out_dir), "run.name": name, "model.preset": "micro",
+        "data.cache_dir": data_cfg.cache_dir, "data.max_bytes_per_domain": data_cfg.max_bytes_per_domain,
+        "data.vocab_size": data_cfg.vocab_size, "train.seq_len": 32, "train.micro_batch_size": 4,
+        "train.max_steps": 6, "train.warmup_steps": 2, "train.eval_every": 3,
+        "train.eval_chunks_per_domain": 2, "train.save_every": 3, "train.log_every": 0,
+        "analysis.record_masks_every": 2, "analysis.calib_tokens": 64,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
