@@ -313,7 +313,19 @@ class Trainer:
         self.settled_step = state.get("settled_step")
         set_rng_state(state["rng"])
 
+    def _check_ranks_agree(self) -> None:
+        """Every rank must hold the same lambda (it is updated from all-reduced statistics)."""
+        if not self.dist.enabled or self.controller is None:
+            return
+        lam = torch.tensor([self.controller.coeff, -self.controller.coeff], dtype=torch.float64,
+                           device=self.device)
+        dist.all_reduce(lam, op=dist.ReduceOp.MAX)
+        if lam[0].item() != -lam[1].item():
+            raise RuntimeError(f"ranks disagree on lambda at step {self.step}: "
+                               f"max {lam[0].item()} vs min {-lam[1].item()}")
+
     def save(self) -> Path | None:
+        self._check_ranks_agree()
         path = None
         if self.dist.is_main:
             path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model, self._state(),
