@@ -30,6 +30,7 @@ ROUTERS = (
 DENSE_ROUTERS = ("dense", "dense_wide")
 REG_TYPES = ("lb", "l1")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "reference")
+LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 
 # Table 1 of the paper (dense backbones); the GPT-2 vocabulary 50257 is padded to 50304
 # (a multiple of 64), as Megatron does. The two small presets train on a laptop CPU.
@@ -83,9 +84,10 @@ class ReMoEConfig(PretrainedConfig):
         lb_coeff: float = 0.01,
         capacity_factor: float = 1.0,
         lory_segment_len: int = 256,
+        lory_first_segment: str = "uniform",
         warmup_k: int = 6,
         warmup_steps: int = 100,
-        sparsemixer_jitter: float = 0.1,
+        sparsemixer_jitter: float = 0.01,
         expert_backend: str = "auto",
         recompute_experts: bool = False,
         eos_token_id: int | None = 0,
@@ -116,6 +118,7 @@ class ReMoEConfig(PretrainedConfig):
         self.lb_coeff = lb_coeff
         self.capacity_factor = capacity_factor
         self.lory_segment_len = lory_segment_len
+        self.lory_first_segment = lory_first_segment
         self.warmup_k = warmup_k
         self.warmup_steps = warmup_steps
         self.sparsemixer_jitter = sparsemixer_jitter
@@ -166,7 +169,8 @@ class ReMoEConfig(PretrainedConfig):
             d_model=self.hidden_size, d_ffn=self.ffn_hidden_size, num_experts=self.num_experts,
             top_k=self.moe_top_k, granularity=self.granularity, router=self.router,
             reg_type=self.reg_type, lb_coeff=self.lb_coeff, capacity_factor=self.capacity_factor,
-            lory_segment_len=self.lory_segment_len, warmup_k=self.warmup_k,
+            lory_segment_len=self.lory_segment_len, lory_first_segment=self.lory_first_segment,
+            warmup_k=self.warmup_k,
             warmup_steps=self.warmup_steps, sparsemixer_jitter=self.sparsemixer_jitter,
             expert_backend=self.expert_backend, recompute_experts=self.recompute_experts,
             init_std=self.init_std,
@@ -180,6 +184,11 @@ class ReMoEConfig(PretrainedConfig):
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _real(v: Any) -> bool:
+    """A finite int/float that is not a bool (YAML `true` must not pass as 1)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _k(c: Any) -> int:
@@ -208,17 +217,26 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
     _need(_k(c) <= c.num_experts, f"{p}top_k={_k(c)} must be <= {p}num_experts={c.num_experts}")
     _need(c.ffn_hidden_size % c.granularity == 0,
           f"{p}granularity={c.granularity} must divide {p}ffn_hidden_size={c.ffn_hidden_size}")
-    _need(c.warmup_k <= c.num_experts,
-          f"{p}warmup_k={c.warmup_k} must be <= {p}num_experts={c.num_experts}")
-    _need(isinstance(c.alpha, (int, float)) and c.alpha > 1.0, f"{p}alpha={c.alpha!r} must be > 1")
-    _need(isinstance(c.lambda0, (int, float)) and c.lambda0 > 0 and math.isfinite(c.lambda0),
+    if c.router == "topk_warmup":  # warmup_k only exists for this router (default 6 > small E)
+        _need(c.warmup_k <= c.num_experts,
+              f"{p}warmup_k={c.warmup_k} must be <= {p}num_experts={c.num_experts}")
+    _need(_real(c.alpha) and c.alpha > 1.0, f"{p}alpha={c.alpha!r} must be a finite number > 1")
+    _need(_real(c.lambda0) and c.lambda0 > 0,
           f"{p}lambda0={c.lambda0!r} must be a positive finite number")
-    _need(isinstance(c.lb_coeff, (int, float)) and c.lb_coeff >= 0,
-          f"{p}lb_coeff={c.lb_coeff!r} must be >= 0")
-    _need(isinstance(c.capacity_factor, (int, float)) and c.capacity_factor > 0,
+    _need(_real(c.lb_coeff) and c.lb_coeff >= 0, f"{p}lb_coeff={c.lb_coeff!r} must be >= 0")
+    _need(_real(c.capacity_factor) and c.capacity_factor > 0,
           f"{p}capacity_factor={c.capacity_factor!r} must be > 0")
-    _need(isinstance(c.warmup_steps, int) and c.warmup_steps >= 0,
-          f"{p}warmup_steps={c.warmup_steps!r} must be an integer >= 0")
-    _need(isinstance(c.sparsemixer_jitter, (int, float)) and 0 <= c.sparsemixer_jitter < 1,
+    _need(isinstance(c.warmup_steps, int) and not isinstance(c.warmup_steps, bool)
+          and c.warmup_steps >= 0, f"{p}warmup_steps={c.warmup_steps!r} must be an integer >= 0")
+    _need(_real(c.sparsemixer_jitter) and 0 <= c.sparsemixer_jitter < 1,
           f"{p}sparsemixer_jitter={c.sparsemixer_jitter!r} must be in [0, 1)")
-    _need(c.rope_theta > 0, f"{p}rope_theta={c.rope_theta!r} must be > 0")
+    if c.router == "lory":  # one merged expert of the full width per segment
+        _need(_k(c) == 1 and c.granularity == 1, f"{p}router=lory needs {p}top_k=1 and "
+              f"{p}granularity=1 (got {_k(c)} and {c.granularity})")
+    lfs = getattr(c, "lory_first_segment", "uniform")
+    _need(lfs in LORY_FIRST_SEGMENT, f"{p}lory_first_segment={lfs!r} must be one of "
+          f"{', '.join(LORY_FIRST_SEGMENT)}")
+    _need(_real(c.rope_theta) and c.rope_theta > 0, f"{p}rope_theta={c.rope_theta!r} must be > 0")
+    _need(_real(c.rms_norm_eps) and c.rms_norm_eps > 0,
+          f"{p}rms_norm_eps={c.rms_norm_eps!r} must be > 0")
+    _need(_real(c.init_std) and c.init_std > 0, f"{p}init_std={c.init_std!r} must be > 0")

@@ -219,7 +219,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         attn_mask = _attention_mask(attention_mask, S, past + S, input_ids.device)
         ctx = RouterContext(batch_size=B, seq_len=S, token_ids_T=input_ids.reshape(-1),
-                            step=train_step, record_masks=record_masks)
+                            step=train_step, record_masks=record_masks, past_len=past)
 
         x = self.embed_tokens(input_ids)
         layer_aux: list[LayerAux] = []
@@ -263,5 +263,11 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
                 continue
             cfg = block.ffn.cfg
             per_expert = (experts.w_in_ND2H[0].numel() + experts.w_out_NHD[0].numel())
-            inactive += (cfg.num_routed - cfg.top_k * cfg.granularity) * per_expert
-        return total - inactive
+            # experts a token uses: k*G, unless the FFN or its router says otherwise
+            # (Lory merges all E; Expert-Choice averages k*G*capacity_factor)
+            used = getattr(block.ffn, "active_experts_per_token", None)
+            if used is None:
+                used = getattr(getattr(block.ffn, "router", None), "active_experts_per_token",
+                               cfg.top_k * cfg.granularity)
+            inactive += (cfg.num_routed - used) * per_expert
+        return int(round(total - inactive))

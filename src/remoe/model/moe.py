@@ -36,9 +36,10 @@ class MoEConfig:
     lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
     capacity_factor: float = 1.0  # expert choice
     lory_segment_len: int = 256
+    lory_first_segment: str = "uniform"  # "uniform" (causal) | "self" (Lory's Algorithm 1)
     warmup_k: int = 6
     warmup_steps: int = 100
-    sparsemixer_jitter: float = 0.1
+    sparsemixer_jitter: float = 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
     expert_backend: str = "auto"  # auto | grouped_mm | reference
     recompute_experts: bool = False
     init_std: float = 0.02
@@ -91,10 +92,8 @@ class MoELayer(nn.Module):
         T = x_TD.shape[0]
         r = self.router(x_TD, ctx)
         plan = dispatch.plan(r.mask_TN)
-        x_PD = dispatch.permute(x_TD, plan)
-        y_PD = self.experts(x_PD, plan.counts_N)
-        gates_P = r.gates_TN[plan.token_idx_P, plan.expert_idx_P]
-        y_TD = dispatch.unpermute(y_PD, gates_P, plan, T)
+        # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
+        y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)
         aux = LayerAux(r.reg_loss, r.aux_loss, plan.counts_N.float(), T,
                        r.mask_TN if ctx.record_masks else None)
         return y_TD.view_as(x), aux

@@ -21,7 +21,8 @@ class RouterContext:
 
     ``token_ids_T`` (hash routing), ``batch_size``/``seq_len`` (segment or sequence-level
     routers), ``step`` (the optimizer step in training; ``None`` at inference: schedules such as
-    the TopK warm-up then use their final value), ``record_masks`` (return each layer's mask).
+    the TopK warm-up then use their final value), ``record_masks`` (return each layer's mask),
+    ``past_len`` (cached positions before this call's tokens; 0 for a full forward).
     """
 
     batch_size: int
@@ -29,6 +30,7 @@ class RouterContext:
     token_ids_T: Tensor | None = None
     step: int | None = None
     record_masks: bool = False
+    past_len: int = 0  # positions already in the KV cache (Lory continues its segment there)
 
 
 @dataclass

@@ -22,10 +22,11 @@ def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
     T = gates_TN.shape[0]
     if T == 0:
         return zero(gates_TN)
-    per_expert_N = gates_TN.float().sum(0)
+    # at least fp32 (bf16 gates are summed in fp32), but never below the gates' own precision
+    per_expert_N = gates_TN.to(torch.promote_types(gates_TN.dtype, torch.float32)).sum(0)
     if not load_balance:
         return per_expert_N.sum() / T
-    f_N = mask_TN.float().sum(0) / (T * target_density)
+    f_N = mask_TN.to(per_expert_N.dtype).sum(0) / (T * target_density)
     return (f_N.detach() * per_expert_N).sum() / T
 
 

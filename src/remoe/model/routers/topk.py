@@ -21,8 +21,9 @@ def switch_load_balancing_loss(probs_TN: Tensor, mask_TN: Tensor) -> Tensor:
     T, N = probs_TN.shape
     if T == 0:
         return zero(probs_TN)
-    f_N = mask_TN.float().sum(0) / mask_TN.float().sum().clamp_min(1.0)
-    P_N = probs_TN.float().mean(0)
+    dtype = torch.promote_types(probs_TN.dtype, torch.float32)  # at least fp32
+    f_N = mask_TN.to(dtype).sum(0) / mask_TN.to(dtype).sum().clamp_min(1.0)
+    P_N = probs_TN.to(dtype).mean(0)
     return N * (f_N.detach() * P_N).sum()
 
 
