@@ -29,7 +29,11 @@ class LambdaController:
         return float(self.value)
 
     def update(self, sparsity: float) -> float:
-        """Apply eq. 6 with the step's measured sparsity S_i; returns lambda_{i+1}."""
+        """Apply eq. 6 with the step's measured sparsity S_i; returns lambda_{i+1}.
+
+        ``sparsity`` may be a python float or a 0-d tensor (``MoEAux.sparsity``).
+        """
+        sparsity = float(sparsity)
         if not math.isfinite(sparsity):
             raise ValueError(f"sparsity={sparsity!r} is not finite")
         gap = self.target_sparsity - sparsity

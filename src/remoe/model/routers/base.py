@@ -54,9 +54,10 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=init_std)
 
     def logits(self, x_TD: Tensor) -> Tensor:
-        """``x W`` in fp32 whatever the autocast dtype (routing decisions are precision-sensitive)."""
+        """``x W`` in at least fp32 whatever the autocast dtype (routing decisions are precision-sensitive)."""
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            return x_TD.float() @ self.weight.float().t()
+            dt = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 or wider (fp64 tests)
+            return x_TD.to(dt) @ self.weight.to(dt).t()
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:  # pragma: no cover
         raise NotImplementedError
