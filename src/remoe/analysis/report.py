@@ -1,0 +1,407 @@
+"""One self-contained HTML report of one or several runs (figures embedded as base64 PNG).
+
+For every run :func:`remoe.analysis.analyze.analyze` is run first (its files land in the run's
+``analysis/`` directory, the routing statistics are cached there), then the page is assembled:
+a comparison section (summary table, LM loss vs step and vs FLOPs, validation loss per domain,
+flip rates, zero-shot accuracies from ``eval_results.json``) and one section per run (config,
+losses, sparsity / lambda / stages, settling time, per-domain validation loss, routing figures,
+specialisation number).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import datetime as _dt
+import html
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from remoe.analysis import plots
+from remoe.analysis.analyze import Options, analyze
+from remoe.analysis.runlog import Run
+
+CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1250px;
+color:#222;line-height:1.45;padding:0 1em}
+h1{border-bottom:2px solid #444}h2{border-bottom:1px solid #bbb;margin-top:2em}
+table{border-collapse:collapse;margin:.6em 0 1.2em 0;font-size:.92em}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}
+th{background:#f0f0f0}td.l,th.l{text-align:left}
+td.best{font-weight:bold;background:#e6f2e6}
+img{max-width:100%;border:1px solid #eee;margin:.4em 0}
+figure{margin:1em 0}figcaption{font-size:.88em;color:#555}
+.note{color:#666;font-size:.9em}pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:.85em}
+nav a{margin-right:1em}
+"""
+
+
+@dataclass
+class ReportOptions:
+    analysis: Options
+    title: str = "remoe report"
+    analysis_root: Path | None = None  # run X is analysed into analysis_root/X (default X/analysis)
+
+
+def esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}" if abs(v) < 1e9 else f"{float(v):.3e}"
+    if isinstance(v, (float, np.floating)):
+        if not math.isfinite(v):
+            return "–"
+        a = abs(v)
+        if float(v).is_integer() and 1000 <= a < 1e9:
+            return f"{int(v):,}"
+        if a != 0 and (a >= 1e5 or a < 1e-3):
+            return f"{v:.3e}"
+        return f"{v:.{digits}f}"
+    return esc(v)
+
+
+def img(png: bytes | Path, caption: str = "") -> str:
+    data = png.read_bytes() if isinstance(png, Path) else png
+    b64 = base64.b64encode(data).decode("ascii")
+    cap = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""
+    return f'<figure><img src="data:image/png;base64,{b64}" alt="{esc(caption)}">{cap}</figure>'
+
+
+def table(head: list[str], rows: list[list[Any]], left: int = 1,
+          best: dict[int, str] | None = None, digits: int = 4) -> str:
+    """HTML table; the first ``left`` columns are left-aligned text (already HTML); ``best``:
+    column -> "min"/"max" marks the best numeric cell of that column."""
+    best = best or {}
+    marks: dict[int, float] = {}
+    for c, how in best.items():
+        vals = [r[c] for r in rows if isinstance(r[c], (int, float)) and math.isfinite(r[c])]
+        if len(vals) > 1:
+            marks[c] = min(vals) if how == "min" else max(vals)
+    out = ["<table><tr>" + "".join(f'<th class="{"l" if i < left else ""}">{esc(h)}</th>'
+                                   for i, h in enumerate(head)) + "</tr>"]
+    for r in rows:
+        cells = []
+        for i, v in enumerate(r):
+            cls = "l" if i < left else ""
+            if i in marks and isinstance(v, (int, float)) and v == marks[i]:
+                cls += " best"
+            cells.append(f'<td class="{cls.strip()}">{v if i < left else fmt(v, digits)}</td>')
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- run facts
+
+def last_lm_loss(run: Run, n: int = 20) -> float | None:
+    """Mean training LM loss of the last ``n`` logged steps."""
+    lm = run.metrics["lm_loss"] if len(run.metrics) else np.zeros(0)
+    lm = lm[np.isfinite(lm)]
+    return float(lm[-n:].mean()) if lm.size else None
+
+
+def final_eval(run: Run) -> dict[str, Any] | None:
+    return run.evals[-1] if run.evals else None
+
+
+def model_facts(run: Run) -> dict[str, Any]:
+    cfg = run.model_config
+    s = run.summary
+    facts = {"router": run.router, "E": getattr(cfg, "num_experts", None),
+             "k": getattr(cfg, "moe_top_k", None), "G": getattr(cfg, "granularity", None),
+             "params_total": s.get("params_total"), "params_active": s.get("params_active")}
+    if cfg is not None and not cfg.is_moe:
+        facts.update(E=None, k=None, G=None)
+    return facts
+
+
+def zero_shot(run: Run) -> dict[str, dict[str, float]]:
+    """``{model name: {task: accuracy in %}}`` from the run's ``eval_results.json``.
+
+    Two layouts are read: the file ``remoe eval --out`` writes (``models`` a list of
+    ``{"name", "zero_shot": {task: {metric: value}}}`` and ``tasks.columns`` naming each task's
+    headline metric and column header), and the simple ``{"models": {name: {"tasks": {task:
+    value}}}}``. A value is a number (a fraction <= 1 is shown in %) or a mapping of metrics
+    (``acc``, else ``acc_norm``, lm-eval's ``acc,none`` spelling included, else the first
+    number)."""
+    res = run.eval_results
+    if not isinstance(res, dict):
+        return {}
+    models = res.get("models")
+    columns = ((res.get("tasks") or {}).get("columns") if isinstance(res.get("tasks"), dict)
+               else None) or []
+    if isinstance(models, list):
+        entries = [(str(m.get("name", i)), m.get("zero_shot")) for i, m in enumerate(models)
+                   if isinstance(m, dict)]
+    elif isinstance(models, dict):
+        entries = [(str(n), m.get("tasks") if isinstance(m, dict) else None)
+                   for n, m in models.items()]
+    else:
+        return {}
+    headers = {c[0]: (c[1], c[2]) for c in columns if isinstance(c, (list, tuple)) and len(c) == 3}
+    out: dict[str, dict[str, float]] = {}
+    for name, tasks in entries:
+        if not isinstance(tasks, dict):
+            continue
+        row = {}
+        for task, v in tasks.items():
+            header, metric = headers.get(task, (task, None))
+            v = _metric(v, metric)
+            if v is not None:
+                row[str(header)] = v * (100.0 if abs(v) <= 1.0 else 1.0)
+        if row:
+            out[name] = row
+    return out
+
+
+def _metric(v: Any, metric: str | None) -> float | None:
+    if isinstance(v, dict):
+        keys = ([metric] if metric else []) + ["acc", "acc_norm"]
+        found = next((v[k] for m in keys for k in (m, f"{m},none") if _num(v.get(k))), None)
+        v = found if found is not None else next((x for x in v.values() if _num(x)), None)
+    return float(v) if _num(v) else None
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# ----------------------------------------------------------------------------- sections
+
+def comparison_section(runs: list[Run], names: list[str], results: list[dict],
+                       outs: list[Path]) -> str:
+    parts = ['<h2 id="compare">Comparison</h2>']
+    rows = []
+    for run, name, res in zip(runs, names, results):
+        f = model_facts(run)
+        ev = final_eval(run)
+        st, sp, fl, sc = (res.get(k) or {} for k in ("stages", "sparsity", "flips",
+                                                      "specialization"))
+        rows.append([esc(name), esc(f["router"]), f["E"], f["k"], f["G"], f["params_total"],
+                     f["params_active"], int(run.metrics.steps[-1]) if len(run.metrics) else None,
+                     _last(run, "tokens"), _last(run, "flops"), last_lm_loss(run),
+                     ev.get("val_loss") if ev else None, st.get("settling_time"),
+                     sp.get("mean"), fl.get("mean_flip_rate"), sc.get("index")])
+    parts.append(table(["run", "router", "E", "k", "G", "params", "active params", "steps",
+                        "tokens", "FLOPs", "train LM loss (last 20)", "val loss",
+                        "settling time", "sparsity (mean)", "flip rate (mean)",
+                        "specialisation index"], rows, left=2,
+                       best={10: "min", 11: "min"}))
+
+    curves = {n: (r.metrics.steps, r.metrics["lm_loss"]) for r, n in zip(runs, names)
+              if len(r.metrics)}
+    evals_step = {n: ([e["step"] for e in r.evals], [e.get("val_loss") for e in r.evals])
+                  for r, n in zip(runs, names) if r.evals}
+    if curves:
+        parts.append(img(plots.png_bytes(plots.fig_curves(
+            curves, "step", "LM loss", "training LM loss vs step", evals=evals_step)),
+            "Training LM loss (faint: every step; bold: trailing mean); squares: validation loss."))
+        flops = {n: (r.metrics["flops"], r.metrics["lm_loss"]) for r, n in zip(runs, names)
+                 if r.metrics.has("flops")}
+        if flops:
+            evals_flops = {}
+            for r, n in zip(runs, names):
+                if r.evals and r.metrics.has("flops"):
+                    fx = np.interp([e["step"] for e in r.evals], r.metrics.steps,
+                                   r.metrics["flops"])
+                    evals_flops[n] = (fx, [e.get("val_loss") for e in r.evals])
+            parts.append(img(plots.png_bytes(plots.fig_curves(
+                flops, "training FLOPs (active experts counted)", "LM loss",
+                "training LM loss vs FLOPs", evals=evals_flops)),
+                "Training LM loss against cumulative training FLOPs."))
+
+    domains = sorted({d for r in runs for d in ((final_eval(r) or {}).get("domains") or {})})
+    if domains:
+        drows = []
+        for r, n in zip(runs, names):
+            ev = final_eval(r) or {}
+            dl = ev.get("domains") or {}
+            drows.append([esc(n), ev.get("step")] + [dl.get(d) for d in domains]
+                         + [ev.get("val_loss")])
+        parts.append("<h3>Validation loss per domain (last evaluation)</h3>")
+        parts.append(table(["run", "step"] + domains + ["all"], drows, left=1,
+                           best={i: "min" for i in range(2, len(domains) + 3)}))
+
+    flips = {n: _flips_csv(o / "flips.csv", res["flips"]["num_experts"])
+             for n, res, o in zip(names, results, outs)
+             if res.get("flips") and (o / "flips.csv").is_file()}
+    if flips:
+        parts.append("<h3>Routing stability</h3>")
+        parts.append(img(plots.png_bytes(plots.fig_flips(flips, "flip rate and flip count")),
+                         "Flip rate between consecutive recorded masks of the fixed calibration "
+                         "set (Appendix A); flip count = N × flip rate."))
+
+    zs = {}
+    for r, n in zip(runs, names):
+        for model, row in zero_shot(r).items():
+            if zs.get(model, row) != row:  # another run's file has a different result
+                model = f"{model} (eval_results of {n})"
+            zs[model] = row
+    parts.append("<h3>Zero-shot accuracy</h3>")
+    if zs:
+        tasks = sorted({t for row in zs.values() for t in row})
+        zrows = []
+        for model, row in zs.items():
+            have = [row[t] for t in tasks if t in row]
+            zrows.append([esc(model)] + [row.get(t) for t in tasks]
+                         + [sum(have) / len(have) if have else None])
+        parts.append(table(["model"] + tasks + ["Avg."], zrows, left=1,
+                           best={i: "max" for i in range(1, len(tasks) + 2)}, digits=2))
+        parts.append('<p class="note">Accuracy in % (from each run\'s eval_results.json).</p>')
+    else:
+        parts.append('<p class="note">No eval_results.json in these runs (write one with '
+                     '<code>remoe eval --out RUN/eval_results.json</code>).</p>')
+    return "\n".join(parts)
+
+
+def _flips_csv(path: Path, num_experts: int) -> tuple[list[int], list[float], int]:
+    """(steps, flip rates, N) from an analysis' ``flips.csv``."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [int(r["step"]) for r in rows], [float(r["flip_rate"]) for r in rows], num_experts
+
+
+def _last(run: Run, key: str) -> float | None:
+    if not len(run.metrics):
+        return None
+    v = run.metrics[key][-1]
+    return float(v) if math.isfinite(v) else None
+
+
+FIGURES = [  # (analysis, file, caption)
+    ("stages", "stages.png", "Three-stage training (Fig. 4): sparsity, λ and L_reg, L_lm and "
+                             "λ·L_reg; shading: stages I (dense), II (sparsifying), "
+                             "III (stable)."),
+    ("sparsity", "sparsity.png", "Sparsity at every step with mean ± std after warm-up (Fig. 3)."),
+    ("sparsity", "layer_sparsity.png", "Sparsity of each layer (Fig. 7d)."),
+    ("flips", "flips.png", "Flip rate and flip count (Appendix A)."),
+    ("heatmap", "routed_ratio.png", "Average routed tokens ratio per layer and expert (Fig. 7b/c);"
+                                    " hatched: inactive experts (< 1/64 of tokens)."),
+    ("specialization", "specialization.png", "Routed tokens ratio per domain (Fig. 8)."),
+    ("allocation", "allocation_domains.png", "Mean active experts per domain and layer (App. H)."),
+    ("allocation", "allocation_tokens.png", "Mean active experts vs token frequency (Fig. 6)."),
+]
+
+
+def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
+    parts = [f'<h2 id="{anchor}">Run: {esc(name)}</h2>',
+             f'<p class="note">{esc(run.path.resolve())}</p>']
+    f = model_facts(run)
+    ev = final_eval(run)
+    st = res.get("stages") or {}
+    sp = res.get("sparsity") or {}
+    facts = [("router", esc(f["router"])),
+             ("E, k, G", ", ".join(fmt(f[x]) for x in ("E", "k", "G"))),
+             ("parameters (total / active)",
+              f"{fmt(f['params_total'])} / {fmt(f['params_active'])}"),
+             ("steps / tokens", f"{fmt(int(run.metrics.steps[-1]) if len(run.metrics) else None)}"
+                                f" / {fmt(_last(run, 'tokens'))}"),
+             ("final train LM loss (mean of last 20 steps)", fmt(last_lm_loss(run))),
+             ("final validation loss", fmt(ev.get("val_loss")) if ev else "–"),
+             ("final λ", fmt(_last(run, "lambda")) if f["router"] == "relu" else "– (not ReLU)"),
+             ("final sparsity / target", f"{fmt(_last(run, 'sparsity'))} / "
+                                         f"{fmt(run.target_sparsity)}"
+              if run.target_sparsity is not None else "– (no routed experts)")]
+    if sp:
+        facts.append((f"sparsity after step {sp['skip_steps']} (mean ± std)",
+                      f"{fmt(sp.get('mean'))} ± {fmt(sp.get('std'))}"))
+    if st:
+        ends = [st["first_step"], st["stage2_start"], st["settle_step"]]
+        facts.append(("stages", f"I: {_span(ends[0], ends[1])}, II: {_span(ends[1], ends[2])}, "
+                                f"III: " + (f"from step {ends[2]}" if ends[2] is not None
+                                            else "not reached")))
+        facts.append(("settling time (stages I+II)",
+                      f"{fmt(st['settling_time'])} steps (band ±{st['tol']:g}, window "
+                      f"{st['window']})"))
+    sc = res.get("specialization")
+    if sc:
+        facts.append(("specialisation index / domain–expert MI",
+                      f"{fmt(sc['index'])} / {fmt(sc['mi_bits'])} bits"))
+    hm = res.get("heatmap")
+    if hm:
+        facts.append(("mean active experts per token (eval)", fmt(hm["mean_active_experts"])))
+        facts.append(("inactive experts (< 1/64 tokens)", fmt(hm["num_inactive"])))
+    al = res.get("allocation")
+    if al and al.get("spearman_freq_active") is not None:
+        facts.append(("Spearman(token frequency, active experts)",
+                      fmt(al["spearman_freq_active"], 3)))
+    parts.append(table(["quantity", "value"], [[esc(k), v] for k, v in facts], left=2))
+
+    if run.evals and (run.evals[-1].get("domains") or len(run.evals) > 1):
+        doms = sorted({d for e in run.evals for d in (e.get("domains") or {})})
+        rows = [[e.get("step"), e.get("tokens")] + [(e.get("domains") or {}).get(d) for d in doms]
+                + [e.get("val_loss")] for e in run.evals]
+        parts.append("<h3>Validation loss per domain</h3>")
+        parts.append(table(["step", "tokens"] + doms + ["all"], rows, left=0))
+
+    for analysis, file, caption in FIGURES:
+        p = out / file
+        if analysis in res and p.is_file():
+            parts.append(img(p, caption))
+    al = res.get("allocation")
+    if al:
+        for rel in al.get("files", []):
+            if rel.startswith("top_tokens_layer") and rel.endswith(".png") \
+                    and (out / rel).is_file():
+                parts.append(img(out / rel, "Tokens routed to each expert with the highest "
+                                            "probability (Table 10)."))
+    if res.get("skipped"):
+        parts.append('<p class="note">Not available: ' + "; ".join(
+            f"{esc(k)} ({esc(v)})" for k, v in res["skipped"].items()) + "</p>")
+    if run.config:
+        parts.append("<details><summary>config.yaml</summary><pre>"
+                     + esc(yaml.safe_dump(run.config, sort_keys=False)) + "</pre></details>")
+    return "\n".join(parts)
+
+
+def _span(a: int | None, b: int | None) -> str:
+    """Steps [a, b) as text (b None: to the end of the log)."""
+    if a is None:
+        return "not reached"
+    if b is None:
+        return f"from step {a}"
+    return f"steps {a}–{b - 1}" if b > a else "empty"
+
+
+def build_report(run_paths: list[str], opts: ReportOptions, log=print) -> str:
+    runs = [Run(p) for p in run_paths]
+    names: list[str] = []
+    for r in runs:
+        n, i = r.name, 2
+        while n in names:
+            n, i = f"{r.name} ({i})", i + 1
+        names.append(n)
+    results, outs = [], []
+    for r, n in zip(runs, names):
+        out = (opts.analysis_root / _slug(n)) if opts.analysis_root else r.path / "analysis"
+        log(f"analysing {r.path} -> {out}")
+        results.append(analyze(r, out, replace(opts.analysis, compare=[]), log=log, reuse=True))
+        outs.append(out)
+    anchors = [f"run-{i}" for i in range(len(runs))]
+    nav = "<nav>" + '<a href="#compare">comparison</a>' + "".join(
+        f'<a href="#{a}">{esc(n)}</a>' for a, n in zip(anchors, names)) + "</nav>"
+    when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    body = [f"<h1>{esc(opts.title)}</h1>",
+            f'<p class="note">Generated {when} by <code>remoe report</code> from '
+            f"{len(runs)} run(s). Definitions: docs/ANALYSIS.md.</p>", nav,
+            comparison_section(runs, names, results, outs)]
+    body += [run_section(r, n, a, res, o)
+             for r, n, a, res, o in zip(runs, names, anchors, results, outs)]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{esc(opts.title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -1,0 +1,163 @@
+"""``remoe analyze`` and ``remoe report`` end to end on synthetic runs (+ a micro model).
+
+The numbers in the written CSV/JSON are checked against independent computations; the PNGs
+for being real, 150+ dpi images.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from remoe.analysis.cli import parse_items
+from remoe.analysis.flips import flip_series
+from remoe.analysis.runlog import Run
+from remoe.errors import ConfigError
+
+
+def cli(command: str, argv: list[str]) -> int:
+    """``remoe <command> argv`` through the real entry point."""
+    from remoe.cli import main
+
+    return main([command, *argv])
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_png(path, min_width=600):
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        assert im.size[0] >= min_width
+        dpi = im.info.get("dpi", (0, 0))[0]
+        assert dpi >= 150
+
+
+def test_commands_are_wired():
+    from remoe.cli import COMMANDS
+
+    assert COMMANDS["analyze"][0] == "remoe.analysis.cli"
+    assert COMMANDS["report"][0] == "remoe.analysis.report_cli"
+
+
+def test_parse_items():
+    assert parse_items(["flips", "a", "b"], None) == (("flips",), ["a", "b"])
+    assert parse_items(["stages,heatmap", "a"], None) == (("stages", "heatmap"), ["a"])
+    assert parse_items(["a"], "flips")[0] == ("flips",)
+    assert len(parse_items(["a"], None)[0]) == 6
+    with pytest.raises(ConfigError, match="unknown analysis"):
+        parse_items(["a"], "flops")
+    with pytest.raises(ConfigError, match="no run"):
+        parse_items(["flips"], None)
+
+
+def test_analyze_all(remoe_run, eval_npz, synth, capsys):
+    rc = cli("analyze", [str(remoe_run), "--data", str(eval_npz), "--min-count", "2"])
+    assert rc == 0
+    out = remoe_run / "analysis"
+    printed = capsys.readouterr().out
+    assert "settling time 60 steps" in printed
+
+    st = json.loads((out / "stages.json").read_text())
+    assert (st["stage2_start"], st["settle_step"], st["settling_time"]) == (31, 61, 60)
+    rows = read_csv(out / "stages.csv")
+    assert len(rows) == synth.NUM_STEPS and rows[45]["stage"] == "2"
+
+    sp = json.loads((out / "sparsity.json").read_text())
+    s = synth.sparsity_curve()
+    assert sp["skip_steps"] == 100 and sp["mean"] == pytest.approx(s[100:].mean(), abs=1e-9)
+    assert sp["layer_mean"][1] - sp["layer_mean"][0] == pytest.approx(0.02)
+
+    flips = read_csv(out / "flips.csv")
+    ref = flip_series(Run(remoe_run).mask_files())
+    assert [int(r["step"]) for r in flips] == ref.steps == [10, 20, 30, 40]
+    assert np.allclose([float(r["flip_rate"]) for r in flips], ref.rates, atol=1e-6)
+    assert np.allclose([float(r["flip_count"]) for r in flips], np.array(ref.rates) * synth.E,
+                       atol=1e-5)
+    assert 0.005 < ref.rates[0] < 0.04  # masks were flipped with p = 0.02
+
+    ratio = read_csv(out / "routed_ratio.csv")
+    hm = json.loads((out / "routed_ratio.json").read_text())
+    per_layer = [sum(float(r["routed_ratio"]) for r in ratio if r["layer"] == str(l))
+                 for l in range(synth.LAYERS)]
+    assert np.allclose(per_layer, hm["active_experts_per_layer"], atol=1e-5)
+
+    spec = json.loads((out / "specialization.json").read_text())
+    assert spec["domains"] == ["code", "prose"]
+    rows = read_csv(out / "specialization.csv")
+    r = np.array([float(x["routed_ratio"]) for x in rows]).reshape(2, synth.LAYERS, synth.E)
+    mean, std = r.mean(0), r.std(0)
+    assert spec["index"] == pytest.approx(np.mean(std[mean > 0] / mean[mean > 0]), abs=1e-4)
+
+    tokens = read_csv(out / "token_allocation.csv")
+    active = [float(t["mean_active"]) for t in tokens]
+    assert active == sorted(active, reverse=True) and min(int(t["count"]) for t in tokens) >= 2
+    top = read_csv(out / "top_tokens.csv")
+    assert top and all(float(t["prob"]) == pytest.approx(int(t["routed"]) / int(t["count"]),
+                                                         abs=1e-5) for t in top)
+    assert any(t["token"].strip() for t in top)  # decoded with the run's tokenizer.json
+
+    for png in ("stages", "sparsity", "layer_sparsity", "flips", "routed_ratio", "specialization",
+                "allocation_tokens", "allocation_domains", "top_tokens_layer0"):
+        assert_png(out / f"{png}.png")
+    assert (out / "routing_stats.npz").is_file() and (out / "analysis.json").is_file()
+
+
+def test_routing_stats_are_cached(remoe_run, eval_npz, tmp_path):
+    from remoe.analysis.analyze import Options, routing_stats
+
+    cache = tmp_path / "routing_stats.npz"
+    opts = Options(data=str(eval_npz))
+    first, names = routing_stats(Run(remoe_run), opts, cache)
+    before = cache.stat().st_mtime_ns
+    again, _ = routing_stats(Run(remoe_run), opts, cache)  # same inputs: read back
+    assert cache.stat().st_mtime_ns == before and names.available
+    assert again.domains == ["code", "prose"] and np.array_equal(again.counts_DLN,
+                                                                 first.counts_DLN)
+    fewer, _ = routing_stats(Run(remoe_run), Options(data=str(eval_npz), max_tokens=64), cache)
+    assert fewer.num_tokens == 64 and cache.stat().st_mtime_ns != before  # new budget: new pass
+
+
+def test_flips_of_two_runs(remoe_run, topk_run, tmp_path):
+    rc = cli("analyze", ["flips", str(remoe_run), str(topk_run), "--out", str(tmp_path)])
+    assert rc == 0
+    rows = read_csv(tmp_path / "flips_compare.csv")
+    mean = {name: np.mean([float(r["flip_rate"]) for r in rows if r["run"] == name])
+            for name in ("remoe-syn", "moe-syn")}
+    assert mean["moe-syn"] > 2 * mean["remoe-syn"]  # flipped with p = 0.08 vs 0.02
+    assert_png(tmp_path / "flips_compare.png")
+    assert not (tmp_path / "stages.png").exists()
+
+
+def test_requested_but_impossible_analysis(topk_run, tmp_path, capsys):
+    # no model in this run: asking for the heatmap explicitly fails with status 1
+    assert cli("analyze", ["heatmap", str(topk_run), "--out", str(tmp_path)]) == 1
+    assert "skipped" in capsys.readouterr().out
+    assert cli("analyze", [str(tmp_path)]) == 2  # not a run directory: one-line error
+    assert "holds no run" in capsys.readouterr().err
+
+
+def test_report(remoe_run, topk_run, eval_npz, tmp_path):
+    tasks = {"arc_easy": 0.42, "piqa": {"acc": 0.6, "acc_norm": 0.61}}
+    results = {"models": {"moe-syn": {"tasks": tasks}}}
+    (topk_run / "eval_results.json").write_text(json.dumps(results))
+    out = tmp_path / "report.html"
+    rc = cli("report", [str(remoe_run), str(topk_run), "--out", str(out),
+                                           "--data", str(eval_npz), "--min-count", "2"])
+    assert rc == 0
+    html = out.read_text()
+    assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
+    assert "http://" not in html and "https://" not in html  # self-contained
+    assert html.count("data:image/png;base64,") >= 12
+    for text in ("remoe-syn", "moe-syn", "settling time", "Validation loss per domain",
+                 "specialisation index", "arc_easy", "42.00", "60.00", "prose"):
+        assert text in html
+    # the comparison table lists both runs' validation loss (3.9)
+    assert len(re.findall(r"3\.9000", html)) >= 2
