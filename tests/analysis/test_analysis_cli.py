@@ -59,7 +59,8 @@ def test_parse_items():
 
 
 def test_analyze_all(remoe_run, eval_npz, synth, capsys):
-    rc = cli("analyze", [str(remoe_run), "--data", str(eval_npz), "--min-count", "2"])
+    rc = cli("analyze", [str(remoe_run), "--data", str(eval_npz), "--min-count", "2",
+                         "--settle-tol", "0.01", "--smooth", "1"])  # the hand values' options
     assert rc == 0
     out = remoe_run / "analysis"
     printed = capsys.readouterr().out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remoe.analysis.stages import detect_stages, mean_std_after, settle_index, trailing_mean
+from remoe.analysis.stages import (centered_mean, detect_stages, mean_std_after, settle_index,
+                                   trailing_mean)
 
 TARGET = 1 - 1 / 8
 
@@ -16,7 +17,7 @@ def test_three_stage_curve_hand_values(synth):
     steps = np.arange(1, s.size + 1)
     reg = np.where(steps >= 31, 0.1, 1e-6)  # lambda * L_reg: negligible before step 31
     lm = np.full(s.size, 4.0)  # threshold eps * L_lm = 0.004
-    st = detect_stages(steps, s, TARGET, reg, lm, tol=0.01, window=10, eps=1e-3)
+    st = detect_stages(steps, s, TARGET, reg, lm, tol=0.01, window=10, eps=1e-3, smooth=1)
     assert st.stage2_start == synth.STAGE2_START == 31
     assert st.settle_step == synth.SETTLE_STEP == 61
     assert st.settling_time == 60  # steps 1..60 are stages I + II
@@ -31,11 +32,11 @@ def test_stage_two_starts_when_regularisation_matters():
     reg = 2e-8 * 1.2 ** (steps - 1.0)
     lm = np.full(200, 4.0)
     s = np.where(steps < 100, 0.5, TARGET)
-    st = detect_stages(steps, s, TARGET, reg, lm, eps=1e-3)
+    st = detect_stages(steps, s, TARGET, reg, lm, eps=1e-3, smooth=1, tol=0.01)
     assert (st.stage2_start, st.settle_step, st.settling_time) == (68, 100, 99)
-    assert detect_stages(steps, s, TARGET, reg, lm, eps=1e-2).stage2_start == 81
+    assert detect_stages(steps, s, TARGET, reg, lm, eps=1e-2, smooth=1, tol=0.01).stage2_start == 81
     # regularisation that only matters after settling: stage II is empty
-    assert detect_stages(steps, s, TARGET, reg * 1e-6, lm).stage2_start == 100
+    assert detect_stages(steps, s, TARGET, reg * 1e-6, lm, smooth=1, tol=0.01).stage2_start == 100
 
 
 def test_window_requires_staying_in_band():
@@ -44,29 +45,29 @@ def test_window_requires_staying_in_band():
     s = np.full(100, 0.5)
     s[19:24] = TARGET
     s[49:] = TARGET + 0.005
-    assert detect_stages(steps, s, TARGET, tol=0.01, window=10).settle_step == 50
-    assert detect_stages(steps, s, TARGET, tol=0.01, window=5).settle_step == 20
+    assert detect_stages(steps, s, TARGET, tol=0.01, window=10, smooth=1).settle_step == 50
+    assert detect_stages(steps, s, TARGET, tol=0.01, window=5, smooth=1).settle_step == 20
     # a tighter band than the offset never settles
-    st = detect_stages(steps, s, TARGET, tol=0.001, window=10)
+    st = detect_stages(steps, s, TARGET, tol=0.001, window=10, smooth=1)
     assert st.settle_step is None and st.settling_time is None and st.stage2_start is None
 
 
 def test_steps_need_not_start_at_one():
     steps = np.arange(101, 201)  # a resumed log
     s = np.concatenate([np.linspace(0.3, 0.8, 40), np.full(60, TARGET)])
-    st = detect_stages(steps, s, TARGET, tol=0.01, window=10)
+    st = detect_stages(steps, s, TARGET, tol=0.01, window=10, smooth=1)
     assert st.settle_step == 141 and st.settling_time == 40
 
 
 def test_runs_without_adaptive_lambda():
     steps = np.arange(1, 201)
     # TopK: on target from the first step -> stages I and II empty
-    st = detect_stages(steps, np.full(200, TARGET), TARGET)
+    st = detect_stages(steps, np.full(200, TARGET), TARGET, smooth=1, tol=0.01)
     assert (st.stage2_start, st.settle_step, st.settling_time) == (1, 1, 0)
     assert (st.stage_of(steps) == 3).all()
     # TopK with a k=6 warm-up for 100 steps: stage I is the warm-up, no stage II
     s = np.where(steps <= 100, 1 - 6 / 8, TARGET)
-    st = detect_stages(steps, s, TARGET, np.zeros(200), np.full(200, 4.0))
+    st = detect_stages(steps, s, TARGET, np.zeros(200), np.full(200, 4.0), smooth=1, tol=0.01)
     assert (st.stage2_start, st.settle_step, st.settling_time) == (101, 101, 100)
 
 
@@ -75,7 +76,7 @@ def test_overshoot_has_no_dense_stage():
     s = np.concatenate([[0.5], np.full(10, 0.95), np.linspace(0.95, TARGET + 0.02, 18),
                         np.full(40, TARGET)])
     steps = np.arange(1, s.size + 1)
-    st = detect_stages(steps, s, TARGET, np.full(s.size, 0.5), np.full(s.size, 4.0))
+    st = detect_stages(steps, s, TARGET, np.full(s.size, 0.5), np.full(s.size, 4.0), smooth=1, tol=0.01)
     assert st.stage2_start == 1  # stage I empty
     assert st.settle_step == 30  # first of the 40 on-target records
     assert st.settling_time == 29
@@ -92,6 +93,7 @@ def test_settle_index_window_and_nan():
 
 def test_smoothing_and_mean_std():
     assert np.allclose(trailing_mean(np.array([1.0, 3.0, 5.0, 7.0]), 2), [1.0, 2.0, 4.0, 6.0])
+    assert np.allclose(centered_mean(np.array([1.0, 3.0, 5.0, 7.0]), 3), [2.0, 3.0, 5.0, 6.0])
     mean, std, n = mean_std_after(np.arange(1, 7), [9, 9, 1, 2, 3, np.nan], skip=2)
     assert n == 3 and mean == pytest.approx(2.0) and std == pytest.approx(np.sqrt(2 / 3))
     # smoothing removes an isolated in-band spike before the real settling
@@ -99,5 +101,5 @@ def test_smoothing_and_mean_std():
     s = np.full(60, 0.5)
     s[9] = TARGET
     s[30:] = TARGET
-    assert detect_stages(steps, s, TARGET, window=1).settle_step == 10
-    assert detect_stages(steps, s, TARGET, window=1, smooth=3).settle_step == 33
+    assert detect_stages(steps, s, TARGET, window=1, smooth=1, tol=0.01).settle_step == 10
+    assert detect_stages(steps, s, TARGET, window=1, smooth=3, tol=0.01).settle_step == 32

@@ -17,8 +17,10 @@ regularisation term R_i = lambda_i * L_reg,i and the LM loss L_lm,i:
 * **Settling time** = s_{j2} - s_1: the number of steps of stages I + II (with a log that
   starts at step 1, the steps before the settling step).
 
-``smooth`` > 1 first replaces S by its trailing moving average over that many records (for
-noisy small-batch runs whose per-step sparsity never stays inside a narrow band).
+``smooth`` > 1 first replaces S by its centred moving average over that many records (for
+noisy small-batch runs whose per-step sparsity never stays inside a narrow band; centred, so
+the boundaries do not lag). The defaults (:data:`SETTLE_TOL`, :data:`SMOOTH`) suit small-batch
+runs; pass ``tol=0.01, smooth=1`` for the paper's large-batch curves.
 """
 
 from __future__ import annotations
@@ -65,6 +67,19 @@ def trailing_mean(x: np.ndarray, width: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
+def centered_mean(x: np.ndarray, width: int) -> np.ndarray:
+    """Mean over ``width`` values centred on each position (truncated at the ends): no lag, so
+    smoothing does not move a stage boundary."""
+    x = np.asarray(x, dtype=np.float64)
+    if width <= 1 or x.size == 0:
+        return x.copy()
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    idx = np.arange(x.size)
+    lo = np.maximum(idx - (width - 1) // 2, 0)
+    hi = np.minimum(idx + width // 2 + 1, x.size)
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
 def settle_index(sparsity: np.ndarray, target: float, tol: float, window: int) -> int | None:
     """Index j2 of the first record from which ``window`` records lie within ``tol`` of target."""
     if window < 1:
@@ -96,7 +111,7 @@ def detect_stages(steps, sparsity, target: float, reg_term=None, lm_loss=None, *
     value: no adaptive regularisation, no stage II).
     """
     steps = np.asarray(steps, dtype=np.int64)
-    s = trailing_mean(np.asarray(sparsity, dtype=np.float64), smooth)
+    s = centered_mean(np.asarray(sparsity, dtype=np.float64), smooth)
     if steps.size == 0:
         return Stages(target, tol, window, eps, smooth, 0, 0, None, None, None)
     j2 = settle_index(s, target, tol, window)
