@@ -60,6 +60,9 @@ class TrainConfig:
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
     distributed: str = "ddp"  # ddp | fsdp (used when launched with torchrun)
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
+    # layer (remoe.model.expert_parallel); no-op with one process
+    expert_parallel: bool = False
 
     def validate(self) -> None:
         for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps",
@@ -86,6 +89,9 @@ class TrainConfig:
                f"train.distributed={self.distributed!r} must be one of ddp, fsdp")
         _check(self.num_threads is None or self.num_threads >= 1,
                f"train.num_threads={self.num_threads!r} must be >= 1 or null")
+        _check(not (self.expert_parallel and self.distributed == "fsdp"),
+               "train.expert_parallel=true cannot be combined with train.distributed=fsdp "
+               "(use ddp)")
 
 
 @dataclass
@@ -281,6 +287,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
     )
     max_pos = cfg.model_config(vocab_size=cfg.data.vocab_size).max_position_embeddings
+    if cfg.train.expert_parallel:  # the world size is checked when training starts
+        from remoe.model.expert_parallel import check_expert_parallel
+
+        mc = cfg.model_config(vocab_size=cfg.data.vocab_size)
+        check_expert_parallel(mc.router, mc.num_experts * mc.granularity)
     _check(cfg.train.seq_len <= max_pos,
            f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
     return cfg

@@ -167,6 +167,8 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
+        # config.yaml records where the data lives, usable from any working directory
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())
 
         # data (rank 0 builds the cache, the others then load it)
         if data is None:
@@ -191,6 +193,7 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
                               f"tokenizer's vocabulary ({data.vocab_size})")
         self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
+        self.ep = self._setup_expert_parallel()  # None unless expert parallel under torchrun
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
         self.controller = (LambdaController(self.model_cfg.target_sparsity, self.model_cfg.lambda0,
                                             self.model_cfg.alpha)
@@ -200,7 +203,6 @@ class Trainer:
         self.tokens = 0
         self.total_flops = 0.0
         self.elapsed = 0.0
-        self.settled_step: int | None = None
         self.best_val: float | None = None
         self.last_eval: dict[str, Any] | None = None
 
@@ -250,8 +252,32 @@ class Trainer:
             return self.model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if self.ep is not None:  # each rank owns different experts: DDP must not touch them
+            DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(self.ep.params))
         return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    find_unused_parameters=self.model_cfg.router in ("hash", "lory"))
+
+    # -- expert parallelism (train.expert_parallel; see remoe.model.expert_parallel) --------
+    def _setup_expert_parallel(self):
+        """Replace every MoE layer's experts by this rank's slice (None: off or one process)."""
+        tc = self.cfg.train
+        if not tc.expert_parallel:
+            return None
+        from remoe.model.expert_parallel import check_expert_parallel, shard_experts
+
+        mc = self.model_cfg
+        check_expert_parallel(mc.router, mc.num_experts * mc.granularity, self.dist.world_size)
+        if not self.dist.enabled:
+            return None
+        if tc.distributed != "ddp":
+            raise ConfigError("train.expert_parallel=true cannot be combined with "
+                              f"train.distributed={tc.distributed} (use ddp)")
+        # a group of its own: the expert exchanges never interleave with DDP's all-reduces
+        return shard_experts(self.model, dist.new_group())
+
+    def _full_experts(self):
+        """Collective under EP: all experts gathered into self.model inside (save, counts)."""
+        return self.ep.full_experts() if self.ep is not None else nullcontext()
 
     def _tensorboard(self):
         if not self.cfg.train.tensorboard:
@@ -268,16 +294,15 @@ class Trainer:
         if ac.record_masks_every <= 0 or not self.model_cfg.is_moe:
             return None
         seq = self.cfg.train.seq_len
-        rows = []
-        for input_ids, _ in self._eval_batches():
-            rows.append(input_ids[:, :seq])
-            if sum(r.shape[0] for r in rows) * seq >= ac.calib_tokens:
-                break
+        n = max(1, math.ceil(ac.calib_tokens / seq))  # sequences in the calibration set
+        per_domain = max(1, math.ceil(n / max(1, len(self.data.domains))))
+        rows = [ids[:, :seq] for ids, _ in self.data.eval_batches(
+            "validation", seq_len=seq, batch_size=n, max_chunks_per_domain=per_domain)]
         if not rows:
             return None
-        ids = torch.cat(rows)
-        n = max(1, math.ceil(ac.calib_tokens / seq))
-        return ids[:n]
+        ids = torch.cat(rows)  # domain after domain
+        # interleave the domains so that keeping n sequences keeps every domain
+        return ids[_round_robin(ids.shape[0], per_domain)][:n]
 
     def _eval_batches(self):
         tc = self.cfg.train
@@ -286,11 +311,12 @@ class Trainer:
                                       max_chunks_per_domain=tc.eval_chunks_per_domain)
 
     # -- checkpoint state ---------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    def _state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops,
-            "elapsed": self.elapsed, "settled_step": self.settled_step,
-            "optimizer": self.optimizer.state_dict(),
+            "elapsed": self.elapsed,
+            "optimizer": (self.optimizer.state_dict() if optimizer_state is None
+                          else optimizer_state),
             "controller": self.controller.state_dict() if self.controller else None,
             "rng": _to_weights_only(rng_state()),
             "data": {"seed": self.cfg.run.seed, "next_step": self.step},
@@ -301,16 +327,19 @@ class Trainer:
 
         state = ckpt_io.load_trainer_state(ckpt)
         weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
+        optimizer_state = state["optimizer"]
+        if self.ep is not None:  # checkpoints hold every expert: keep this rank's slices
+            weights = self.ep.shard_state_dict(weights)
+            optimizer_state = self.ep.shard_optimizer_state(optimizer_state, self.optimizer)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if m in dict(self.model.named_parameters())]:
             raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
                               f"(missing={missing[:3]}, unexpected={unexpected[:3]})")
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(optimizer_state)
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
-        self.settled_step = state.get("settled_step")
         set_rng_state(state["rng"])
 
     def _check_ranks_agree(self) -> None:
@@ -327,10 +356,15 @@ class Trainer:
     def save(self) -> Path | None:
         self._check_ranks_agree()
         path = None
-        if self.dist.is_main:
-            path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model, self._state(),
-                                           getattr(self.data, "tokenizer_path", None),
-                                           self.cfg.train.keep_last)
+        with self._full_experts():
+            optim = None
+            if self.ep is not None:  # every rank's expert optimizer state, gathered (collective)
+                optim = self.ep.gather_optimizer_state(self.optimizer)
+            if self.dist.is_main:
+                path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model,
+                                               self._state(optim),
+                                               getattr(self.data, "tokenizer_path", None),
+                                               self.cfg.train.keep_last)
         self._barrier()
         return path
 
@@ -380,6 +414,8 @@ class Trainer:
             raise TrainingDiverged(f"loss became non-finite at step {step + 1} (lm_loss={lm}, "
                                    f"reg_loss={reg}, aux_loss={aux_l}); stopping. Last good "
                                    f"checkpoint: {ckpt_io.latest_checkpoint(self.ckpt_root)}")
+        if self.ep is not None:
+            self.ep.finish_grads()  # expert grads: sum over ranks -> mean, as DDP does
         grad_norm = self._clip()
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -418,6 +454,8 @@ class Trainer:
     def _clip(self) -> float:
         clip = self.cfg.train.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.ep is not None:  # global norm: replicated grads once + every rank's experts
+            return float(self.ep.clip_grad_norm_(params, clip))
         if clip > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, clip))
         return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
@@ -440,10 +478,13 @@ class Trainer:
 
     @torch.no_grad()
     def record_masks(self) -> None:
-        if self.calib is None or not self.dist.is_main:
+        if self.calib is None or not (self.dist.is_main or self.ep is not None):
             return
         self.model.eval()
         out = self.model(input_ids=self.calib.to(self.device), record_masks=True)
+        if not self.dist.is_main:  # EP: every rank takes part in the forward; rank 0 writes
+            self.model.train()
+            return
         masks = torch.stack([m.cpu() for m in out.aux.masks]).numpy()  # [L, T, N]
         out_dir = self.run_dir / "routing"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -482,17 +523,6 @@ class Trainer:
             return f"reached train.max_flops={tc.max_flops:.3g}"
         return None
 
-    def _track_settling(self, rec: dict[str, Any]) -> None:
-        """First step after which sparsity stays within 1% of the target (for the summary)."""
-        if self.controller is None:
-            return
-        close = abs(rec["sparsity"] - self.model_cfg.target_sparsity) <= 0.01
-        if close and self.settled_step is None:
-            self.settled_step = rec["step"]
-        elif not close and self.settled_step is not None and rec["sparsity"] < \
-                self.model_cfg.target_sparsity - 0.05:
-            self.settled_step = None
-
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         tc, ac = self.cfg.train, self.cfg.analysis
@@ -510,7 +540,6 @@ class Trainer:
             while reason is None:
                 rec = self.train_step()
                 last_rec = rec
-                self._track_settling(rec)
                 self._log(rec, bar)
                 if ac.record_masks_every and self.step % ac.record_masks_every == 0:
                     self.record_masks()
@@ -528,8 +557,28 @@ class Trainer:
         summary = self._finish(reason, last_rec)
         return summary
 
+    def _stages(self):
+        """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
+        if self.controller is None or not self.dist.is_main:
+            return None
+        from remoe.analysis.stages import detect_stages
+
+        recs = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+                if x.strip()]
+        if not recs:
+            return None
+        return detect_stages([r["step"] for r in recs], [r["sparsity"] for r in recs],
+                             self.model_cfg.target_sparsity,
+                             [r["lambda"] * r["reg_loss"] for r in recs],
+                             [r["lm_loss"] for r in recs])
+
     def _finish(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
+        with self._full_experts():  # EP: count and save all experts
+            return self._finish_full(reason, last)
+
+    def _finish_full(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
         final_dir = self.run_dir / "final"
+        stages = self._stages()
         summary: dict[str, Any] = {
             "run_dir": str(self.run_dir), "stop_reason": reason, "steps": self.step,
             "tokens": self.tokens, "flops": self.total_flops, "elapsed_s": self.elapsed,
@@ -541,7 +590,8 @@ class Trainer:
             "final_lm_loss": last["lm_loss"] if last else None,
             "final_sparsity": last["sparsity"] if last else None,
             "final_lambda": self.controller.coeff if self.controller else None,
-            "settling_step": self.settled_step,
+            "stage2_start": stages.stage2_start if stages else None,
+            "settling_step": stages.settle_step if stages else None,
             "val_loss": self.last_eval["val_loss"] if self.last_eval else None,
             "val_domains": self.last_eval["domains"] if self.last_eval else None,
             "final_dir": str(final_dir),
@@ -570,6 +620,14 @@ class Trainer:
                 self.tb.close()
         self._barrier()
         return summary
+
+
+def _round_robin(total: int, per_group: int) -> torch.Tensor:
+    """Indices visiting consecutive groups of ``per_group`` rows in turn (one row each)."""
+    idx = torch.arange(total)
+    groups = (total + per_group - 1) // per_group
+    key = (idx % per_group) * groups + idx // per_group
+    return idx[key.argsort()]
 
 
 def _round_up(n: int, multiple: int) -> int:
