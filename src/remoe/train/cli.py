@@ -26,12 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config_path(arg: str | None) -> Path | None:
     if arg is not None:
         return Path(arg)
-    if DEFAULT_CONFIG.exists():
-        return DEFAULT_CONFIG
-    from importlib import resources
-
-    packaged = resources.files("remoe") / "configs" / "tiny_remoe.yaml"
-    return Path(str(packaged)) if packaged.is_file() else None
+    # from a source checkout; otherwise the dataclass defaults (the same tiny ReMoE)
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,369 @@
+"""``remoe eval``: held-out loss per domain and zero-shot accuracy of one or more checkpoints.
+
+    remoe eval runs/remoe runs/dmoe --names ReMoE dMoE --tasks builtin,paper --out results.json
+
+For each CHECKPOINT (a run directory, a checkpoint directory or an HF directory) it prints the
+validation (or ``--split test``) loss and perplexity overall and per domain, then the zero-shot
+table in the paper's layout (one row per model, one column per task, Avg.) in Markdown, and
+with ``--out`` writes everything as JSON plus one CSV row per model. The data for the loss is
+the run's (``config.yaml``'s ``data`` section, in the run directory or above the checkpoint)
+or ``--data-cache DIR``. Nothing is downloaded; see ``docs/EVAL.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from remoe.errors import ConfigError
+from remoe.eval.offline import force_offline
+
+log = logging.getLogger("remoe.eval")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                        help="run directory, checkpoint directory or HF directory")
+    parser.add_argument("--names", nargs="+", metavar="NAME",
+                        help="row names, one per checkpoint (default: the run/dir names)")
+    parser.add_argument("--tasks", default="builtin",
+                        help="zero-shot tasks, comma-separated: 'builtin' (remoe_lambada, "
+                             "remoe_hellaswag, remoe_domain), 'paper' (ARC-c/e, BoolQ, HellaSwag, "
+                             "LAMBADA, PIQA, RACE), 'none', or task names (default: builtin)")
+    parser.add_argument("--split", choices=("validation", "test"), default="validation",
+                        help="held-out split of the loss (default: validation)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="at most N examples per zero-shot task")
+    parser.add_argument("--out", default=None, metavar="FILE.json",
+                        help="write the results as JSON here (and FILE.csv beside it)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences per forward pass (default: 8)")
+    parser.add_argument("--data-cache", default=None, metavar="DIR",
+                        help="prepared data cache (`remoe data --cache-dir`) to take the loss "
+                             "batches and held-out documents from, instead of the run's")
+    parser.add_argument("--task-data-dir", default=None, metavar="DIR",
+                        help="local data of standard tasks: DIR/<task>/ (save_to_disk or "
+                             "<split>.jsonl/.parquet) or DIR/<hf dataset path>/")
+    parser.add_argument("--task-cache", default=None, metavar="DIR",
+                        help="where the built-in tasks are written (default: "
+                             "<data cache>/eval_tasks/test)")
+    parser.add_argument("--num-examples", type=int, default=300, metavar="N",
+                        help="examples per built-in task (default: 300)")
+    parser.add_argument("--task-seed", type=int, default=1234,
+                        help="seed of the built-in tasks (default: 1234)")
+    parser.add_argument("--loss-chunks", type=int, default=None, metavar="N",
+                        help="at most N sequences per domain for the loss (default: all)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length of the loss (default: the run's train.seq_len, "
+                             "else the model's maximum)")
+    parser.add_argument("--no-loss", action="store_true", help="skip the held-out loss")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default: auto)")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _run_config(path: Path) -> tuple[dict[str, Any] | None, Path | None]:
+    """The run's ``config.yaml`` (parsed) found at, or up to two levels above, ``path``."""
+    import yaml
+
+    for d in (path, path.parent, path.parent.parent):
+        f = d / "config.yaml"
+        if f.is_file():
+            try:
+                return yaml.safe_load(f.read_text()) or {}, d
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{f} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return None, None
+
+
+def _default_name(path: Path, model_dir: Path, run_dir: Path | None) -> str:
+    if run_dir is not None:
+        if model_dir.name.startswith("step_"):
+            return f"{run_dir.name}@{int(model_dir.name[5:])}"
+        return run_dir.name
+    return path.resolve().name
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _DataCache:
+    """Prepared data bundles by cache directory (each opened once)."""
+
+    def __init__(self) -> None:
+        self.bundles: dict[str, Any] = {}
+
+    def get(self, cache_dir: str | Path | None, run_cfg: dict[str, Any] | None,
+            run_dir: Path | None) -> Any:
+        """The bundle of ``--data-cache`` if given, else of the run config's ``data`` section.
+
+        A relative ``data.cache_dir`` is tried from the current directory, then from the
+        directory the run was trained in (``run_dir`` minus ``run.out_dir/run.name``). A run
+        whose cache does not exist any more has it prepared again from its data config.
+        """
+        from remoe.data import DataConfig, prepare_data
+
+        if cache_dir is not None:
+            return self._open(Path(cache_dir))
+        section = (run_cfg or {}).get("data")
+        if not isinstance(section, dict):
+            return None
+        cfg = DataConfig.from_dict(section)
+        candidates = [Path(cfg.cache_dir)]
+        out_dir = ((run_cfg or {}).get("run") or {}).get("out_dir")
+        if not candidates[0].is_absolute() and run_dir is not None and out_dir \
+                and not Path(out_dir).is_absolute():
+            depth = len(Path(out_dir).parts) + 1  # run_dir = <train cwd>/<out_dir>/<name>
+            if len(run_dir.resolve().parents) >= depth:
+                candidates.append(run_dir.resolve().parents[depth - 1] / cfg.cache_dir)
+        for c in candidates:
+            if (c / "manifest.json").is_file():
+                return self._open(c)
+        where = candidates[-1]
+        key = str(where.resolve())
+        if key not in self.bundles:
+            print(f"remoe eval: no prepared data cache at {where}; preparing it from the run's "
+                  "data config (as `remoe data` would)", file=sys.stderr)
+            cfg.cache_dir = str(where)
+            self.bundles[key] = prepare_data(cfg, progress=False)
+        return self.bundles[key]
+
+    def _open(self, cache_dir: Path) -> Any:
+        from remoe.data import load_prepared
+
+        key = str(cache_dir.resolve())
+        if key not in self.bundles:
+            try:
+                self.bundles[key] = load_prepared(cache_dir, verify=False)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"data cache {str(cache_dir)!r}: {e}") from None
+        return self.bundles[key]
+
+
+def _fmt_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def loss_table(models: list[dict[str, Any]], split: str) -> str:
+    """Markdown: model, loss, ppl, tokens, then the loss of each domain."""
+    domains: list[str] = []
+    for m in models:
+        for d in (m.get("loss") or {}).get("domains", {}):
+            if d not in domains:
+                domains.append(d)
+    head = ["Model", f"{split} loss", "ppl", "tokens"] + domains
+    rows = []
+    for m in models:
+        res = m.get("loss")
+        if not res:
+            rows.append([m["name"]] + ["–"] * (len(head) - 1))
+            continue
+        doms = res["domains"]
+        rows.append([m["name"], f"{res['loss']:.4f}", f"{res['ppl']:.2f}", f"{res['tokens']:,}"]
+                    + [f"{doms[d]['loss']:.4f}" if d in doms else "–" for d in domains])
+    return _fmt_table(head, rows)
+
+
+def _write_csv(path: Path, models: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    domains: list[str] = []
+    for m in models:
+        for d in (m.get("loss") or {}).get("domains", {}):
+            if d not in domains:
+                domains.append(d)
+    head = ["model", "path", "loss", "ppl"] + [f"loss_{d}" for d in domains]
+    head += [f"{t}:{metric}" for t, _, metric in columns]
+    groups = sorted({g for m in models for g in m.get("averages", {})})
+    head += [f"avg_{g}" for g in groups]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(head)
+        for m in models:
+            loss = m.get("loss") or {}
+            doms = loss.get("domains", {})
+            row = [m["name"], m["path"], loss.get("loss", ""), loss.get("ppl", "")]
+            row += [doms.get(d, {}).get("loss", "") for d in domains]
+            for t, _, metric in columns:
+                v = m.get("zero_shot", {}).get(t, {}).get(metric)
+                row.append("" if v is None else v)
+            row += ["" if m["averages"].get(g) is None else m["averages"][g] for g in groups]
+            w.writerow(row)
+
+
+# ----------------------------------------------------------------------------- run
+
+def run(args: argparse.Namespace) -> int:
+    force_offline()
+    import torch
+
+    from remoe.train.checkpoint import load_model, resolve_model_dir
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.names and len(args.names) != len(args.checkpoints):
+        raise ConfigError(f"--names has {len(args.names)} names for {len(args.checkpoints)} "
+                          "checkpoints")
+    for opt in ("limit", "batch_size", "num_examples", "loss_chunks", "seq_len"):
+        v = getattr(args, opt)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{opt.replace('_', '-')}={v} must be >= 1")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # what each checkpoint is and which data goes with it
+    entries = []
+    for i, ck in enumerate(args.checkpoints):
+        path = Path(ck)
+        model_dir = resolve_model_dir(path)
+        run_cfg, run_dir = _run_config(model_dir)
+        name = args.names[i] if args.names else _default_name(path, model_dir, run_dir)
+        entries.append({"name": name, "path": str(path), "model_dir": str(model_dir),
+                        "run_cfg": run_cfg, "run_dir": run_dir})
+    seen: dict[str, int] = {}
+    for e in entries:  # unique row names
+        seen[e["name"]] = seen.get(e["name"], 0) + 1
+        if seen[e["name"]] > 1:
+            e["name"] = f"{e['name']} ({seen[e['name']]})"
+
+    data = _DataCache()
+
+    def bundle_for(e: dict[str, Any]) -> Any:
+        return data.get(args.data_cache, e["run_cfg"], e["run_dir"])
+
+    # the zero-shot plan (built-in tasks come from the first checkpoint's held-out data)
+    plan = None
+    manifest: dict[str, Any] = {}
+    from remoe.eval.zeroshot import parse_task_selection, plan_tasks
+
+    builtin_names, standard_names = parse_task_selection(args.tasks)
+    if builtin_names or standard_names:
+        from remoe.eval.builtin_tasks import BuiltinTaskConfig, builtin_tasks_from_bundle
+
+        task_cfg = BuiltinTaskConfig(num_examples=args.num_examples, seed=args.task_seed)
+
+        def build(names: list[str]):
+            bundle = next((b for b in map(bundle_for, entries) if b is not None), None)
+            if bundle is None:
+                why = ("no data for the built-in tasks: no config.yaml found with the "
+                       "checkpoint; pass --data-cache DIR")
+                return None, {t: why for t in names}
+            out, m = builtin_tasks_from_bundle(bundle, args.task_cache, task_cfg, names)
+            manifest.update(m)
+            return out, dict(m.get("skipped", {}))
+
+        plan = plan_tasks(args.tasks, build, args.task_data_dir)
+        for task, why in plan.skipped.items():
+            print(f"remoe eval: {why}" if why.startswith("task ") else
+                  f"remoe eval: task {task} skipped: {why}", file=sys.stderr)
+
+    models: list[dict[str, Any]] = []
+    for e in entries:
+        print(f"remoe eval: {e['name']} ({e['model_dir']})", file=sys.stderr)
+        model, tok_path = load_model(e["model_dir"], device=device)
+        rec: dict[str, Any] = {"name": e["name"], "path": e["path"], "model_dir": e["model_dir"],
+                               "parameters": model.num_parameters(),
+                               "active_parameters": model.num_parameters(active=True),
+                               "loss": None, "loss_skipped": None, "zero_shot": {},
+                               "averages": {}}
+        if not args.no_loss:
+            rec["loss"], rec["loss_skipped"] = _loss(e, model, tok_path, bundle_for(e), args, device)
+            if rec["loss_skipped"]:
+                print(f"remoe eval: {e['name']}: loss skipped: {rec['loss_skipped']}",
+                      file=sys.stderr)
+        if plan is not None and plan.runnable:
+            if tok_path is None:
+                raise ConfigError(f"checkpoint={e['path']!r} has no tokenizer.json")
+            from remoe.eval.adapter import RemoeLM
+            from remoe.eval.zeroshot import run_tasks
+
+            lm = RemoeLM(pretrained=model, tokenizer=tok_path, batch_size=args.batch_size)
+            zs = run_tasks(lm, plan, limit=args.limit)
+            rec["zero_shot"] = zs["results"]
+            rec["n_samples"] = zs["n_samples"]
+        models.append(rec)
+        del model
+
+    seq_lens = {m["loss"]["seq_len"] for m in models if m.get("loss")}
+    if len(seq_lens) > 1:
+        print(f"remoe eval: note: the losses use different sequence lengths {sorted(seq_lens)} "
+              "(each run's train.seq_len); pass --seq-len to compare them", file=sys.stderr)
+    return _report(args, models, plan, manifest or None)
+
+
+def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
+          args: argparse.Namespace, device: str) -> tuple[dict[str, Any] | None, str | None]:
+    from remoe.eval.loss import evaluate_loss
+
+    if bundle is None:
+        return None, "no data: no config.yaml found with the checkpoint; pass --data-cache DIR"
+    if tok_path is not None and _sha256(Path(tok_path)) != bundle.manifest["tokenizer"]["sha256"]:
+        return None, (f"the checkpoint's tokenizer.json differs from the data cache's "
+                      f"({bundle.cache_dir}); its token ids would not match")
+    if model.config.vocab_size < bundle.vocab_size:
+        return None, (f"model vocab_size {model.config.vocab_size} < the data's "
+                      f"{bundle.vocab_size}")
+    seq_len = args.seq_len or ((e["run_cfg"] or {}).get("train") or {}).get("seq_len") \
+        or model.config.max_position_embeddings
+    seq_len = min(int(seq_len), model.config.max_position_embeddings)
+    batches = bundle.eval_batches(args.split, seq_len=seq_len, batch_size=args.batch_size,
+                                  max_chunks_per_domain=args.loss_chunks)
+    res = evaluate_loss(model, batches, list(bundle.domains), device=device)
+    res.update(split=args.split, seq_len=seq_len, data_cache=str(bundle.cache_dir))
+    if not res["tokens"]:
+        return None, (f"the {args.split} split has no chunk of {seq_len + 1} tokens "
+                      f"(try a smaller --seq-len)")
+    return res, None
+
+
+def _report(args: argparse.Namespace, models: list[dict[str, Any]], plan: Any,
+            manifest: dict[str, Any] | None) -> int:
+    from remoe.eval.zeroshot import BUILTIN_COLUMNS, headline, zero_shot_table
+
+    tables: dict[str, str] = {}
+    if not args.no_loss:
+        tables["loss"] = loss_table(models, args.split)
+        print(f"## Held-out loss ({args.split})\n\n{tables['loss']}\n")
+    columns = plan.columns if plan is not None else []
+    groups = {"standard": [c for c in columns if c[0] not in BUILTIN_COLUMNS],
+              "builtin": [c for c in columns if c[0] in BUILTIN_COLUMNS]}
+    titles = {"standard": "Zero-shot accuracy (%)",
+              "builtin": "Built-in offline tasks, accuracy (%) (* = built from the held-out "
+                         "split, not the original benchmark)"}
+    for g, cols in groups.items():
+        if not cols:
+            continue
+        for m in models:
+            m["averages"][g] = headline(m["zero_shot"], cols)["avg"]
+        tables[g] = zero_shot_table([(m["name"], m["zero_shot"]) for m in models], cols)
+        print(f"## {titles[g]}\n\n{tables[g]}\n")
+    if plan is not None and plan.skipped:
+        print("Skipped: " + ", ".join(sorted(plan.skipped)) + " (see the messages above)\n")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "split": None if args.no_loss else args.split,
+            "tasks": {"selection": args.tasks,
+                      "columns": [list(c) for c in columns],
+                      "skipped": plan.skipped if plan is not None else {},
+                      "builtin_dir": str(plan.builtin_dir) if plan and plan.builtin_dir else None,
+                      "builtin_manifest": manifest,
+                      "standard_sources": {s.name: s.source for s in plan.standard if s.source}
+                      if plan is not None else {}},
+            "limit": args.limit,
+            "models": models,
+            "tables": tables,
+        }
+        out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        _write_csv(out.with_suffix(".csv"), models, columns)
+        print(f"wrote {out} and {out.with_suffix('.csv')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,76 @@
+"""Validation / test loss overall and per domain.
+
+``evaluate_loss`` takes evaluation batches ``(input_ids [B, S+1], domain_ids [B])`` (as
+:meth:`remoe.data.DataBundle.eval_batches` yields them), predicts tokens ``1..S`` of each row
+from the tokens before them, and returns the token-weighted mean cross-entropy: every predicted
+token counts once, so a domain's loss is the mean over its tokens and the overall loss is the
+mean over all tokens (not the mean of the domain means).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+
+def _ppl(loss: float) -> float:
+    if math.isnan(loss):
+        return float("nan")
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, batches: Iterable[Any], domain_names: list[str],
+                  device: str | torch.device | None = None,
+                  max_batches: int | None = None) -> dict[str, Any]:
+    """Mean next-token cross-entropy of ``model`` on ``batches``, overall and per domain.
+
+    ``batches`` yields ``(input_ids [B, S+1], domain_ids [B])`` pairs (tuples or
+    :class:`remoe.data.Batch`); ``domain_ids`` index ``domain_names``. ``device`` defaults to
+    the model's. The model runs in eval mode under ``no_grad``; its train/eval mode is restored
+    afterwards. Returns ``{"loss", "ppl", "tokens", "domains": {name: {"loss", "ppl",
+    "tokens"}}}``; ``domains`` lists only the domains that had tokens, in ``domain_names``
+    order; with no tokens at all ``loss`` and ``ppl`` are NaN.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    num_domains = len(domain_names)
+    # float64 sums on the device; read back once at the end (no host sync per batch)
+    sums = torch.zeros(num_domains, dtype=torch.float64, device=device)
+    counts = torch.zeros(num_domains, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            input_ids, domain_ids = batch[0], batch[1]
+            input_ids = torch.as_tensor(input_ids, device=device).long()
+            domain_ids = torch.as_tensor(domain_ids, device=device).long().reshape(-1)
+            if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+                continue
+            if input_ids.shape[0] != domain_ids.shape[0]:
+                raise ValueError(f"batch {i}: {input_ids.shape[0]} rows but "
+                                 f"{domain_ids.shape[0]} domain ids")
+            logits = model(input_ids=input_ids[:, :-1]).logits
+            targets = input_ids[:, 1:]
+            nll_BS = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                     targets.reshape(-1), reduction="none").view(targets.shape)
+            sums.index_add_(0, domain_ids, nll_BS.double().sum(1))
+            counts.index_add_(0, domain_ids, torch.full(domain_ids.shape, float(targets.shape[1]),
+                                                         dtype=torch.float64, device=device))
+    finally:
+        model.train(was_training)
+
+    sums_l, counts_l = sums.tolist(), counts.tolist()
+    total_tokens = sum(counts_l)
+    loss = sum(sums_l) / total_tokens if total_tokens else float("nan")
+    domains = {}
+    for name, s, n in zip(domain_names, sums_l, counts_l):
+        if n > 0:
+            domains[name] = {"loss": s / n, "ppl": _ppl(s / n), "tokens": int(n)}
+    return {"loss": loss, "ppl": _ppl(loss), "tokens": int(total_tokens), "domains": domains}
