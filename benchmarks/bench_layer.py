@@ -1,0 +1,8 @@
+"""`remoe bench --suite layer` as a script: `python benchmarks/bench_layer.py [--quick] [--out PATH] ...`."""
+
+import sys
+
+from remoe.bench.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--suite", "layer", *sys.argv[1:]]))

@@ -1,0 +1,8 @@
+"""`remoe bench --suite machine` as a script: `python benchmarks/bench_machine.py [--quick] [--out PATH] ...`."""
+
+import sys
+
+from remoe.bench.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--suite", "machine", *sys.argv[1:]]))

@@ -1,0 +1,8 @@
+"""`remoe bench --suite model` as a script: `python benchmarks/bench_model.py [--quick] [--out PATH] ...`."""
+
+import sys
+
+from remoe.bench.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--suite", "model", *sys.argv[1:]]))

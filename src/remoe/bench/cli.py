@@ -1,0 +1,219 @@
+"""``remoe bench``: layer / model / machine-ceiling benchmarks; prints tables, writes JSON.
+
+    remoe bench --suite all --out bench_results/full.json
+    remoe bench --suite layer --experts 8 32 128 --granularity 1 8 64
+    remoe bench --quick                          # smoke version (< 1 minute)
+
+JSON keys: ``schema``, ``command``, ``created``, ``quick``, ``machine`` (cpu model, cores,
+torch / transformers versions, threads, allocator, load average), ``machine_ceiling``
+(measured fp32 matmul GFLOP/s), ``layer`` (``rows``, ``targets``), ``model`` (``throughput``,
+``stages``, ``memory``, ``targets``), ``elapsed_s``. Method: docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SUITES = ("layer", "model", "machine", "all")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", choices=SUITES, default="all", help="what to measure (default: all)")
+    p.add_argument("--quick", action="store_true", help="small shapes, few repeats: a smoke run")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default: bench_results/<suite>[-quick].json)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds per measurement")
+    p.add_argument("--allocator", choices=("default", "tcmalloc"), default="default",
+                   help="tcmalloc: re-run this command with libtcmalloc_minimal preloaded (it keeps "
+                        "freed large blocks mapped, so fresh gradients cost no page faults)")
+    g = p.add_argument_group("layer suite")
+    g.add_argument("--tokens", type=int, default=4096, help="T (default 4096)")
+    g.add_argument("--d-model", type=int, default=256)
+    g.add_argument("--d-ffn", type=int, default=1024)
+    g.add_argument("--top-k", type=int, default=1)
+    g.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128],
+                   help="E values swept at G=1 (default 8 32 128)")
+    g.add_argument("--granularity", type=int, nargs="+", default=[1, 8, 64],
+                   help="G values swept at E=8 (default 1 8 64)")
+    g.add_argument("--grid", action="store_true", help="the full E x G grid instead of two sweeps")
+    g.add_argument("--rows", nargs="+", default=None,
+                   help="layer rows (default: dense relu topk relu_unfused hf_eager hf_grouped_mm)")
+    g.add_argument("--no-memory", action="store_true", help="skip the profiler memory pass")
+    g = p.add_argument_group("model suite")
+    g.add_argument("--preset", default=None, help="model preset (default tiny; quick: micro)")
+    g.add_argument("--stage-steps", type=int, default=None,
+                   help="max steps of the stages I-II run (default 150; quick 4)")
+
+
+def _cases(args) -> list:
+    from remoe.bench.layer import LayerCase
+
+    base = dict(T=args.tokens, d_model=args.d_model, d_ffn=args.d_ffn, k=args.top_k,
+                seq_len=min(1024, args.tokens))
+    if args.quick:
+        base.update(T=512, d_model=64, d_ffn=256, seq_len=256)
+        pairs = [(8, 1), (8, 4)]
+    elif args.grid:
+        pairs = [(E, G) for E in args.experts for G in args.granularity]
+    else:
+        pairs = [(E, 1) for E in args.experts] + [(args.experts[0], G) for G in args.granularity
+                                                   if G != 1]
+    return [LayerCase(E=E, G=G, **base) for E, G in pairs]
+
+
+def _fmt_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    head = " | ".join(h for _, h, _ in cols)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for key, h, fmt in cols:
+            v = r.get(key)
+            cells.append(("-" if v is None else format(v, fmt)).rjust(len(h)))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def _print_targets(targets: list[dict]) -> None:
+    for t in targets:
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']})")
+
+
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def _reexec_with_tcmalloc() -> None:
+    """Replace this process by the same command with tcmalloc preloaded (Linux only)."""
+    lib = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
+    if lib is None:
+        raise SystemExit("remoe bench: --allocator tcmalloc needs libtcmalloc_minimal.so.4 "
+                         "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4)")
+    env = dict(os.environ, LD_PRELOAD=lib)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def run(args: argparse.Namespace) -> int:
+    from remoe.bench import common
+
+    if args.allocator == "tcmalloc" and "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
+        _reexec_with_tcmalloc()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    suite = args.suite
+    out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
+    res: dict = {"schema": "remoe-bench/1", "command": " ".join(sys.argv),
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
+                 "machine": common.machine_info()}
+    m = res["machine"]
+    print(f"machine: {m['cpu_model']}, {m['cores_logical']} logical cores, torch {m['torch']}, "
+          f"{m['threads']} threads, load {m['loadavg_start']}")
+
+    # On one thread, process CPU time is wall time minus the time other processes held the
+    # core: the robust figure on a shared machine. With several threads, spinning workers
+    # inflate CPU time, so wall time decides.
+    metric = "cpu_ms" if torch.get_num_threads() == 1 else "wall_ms"
+    res["metric"] = metric
+    print(f"targets are judged on {'process CPU time (1 thread)' if metric == 'cpu_ms' else 'wall time'}")
+    ceiling = common.matmul_ceiling(quick=args.quick)
+    res["machine_ceiling"] = ceiling
+    print(f"machine ceiling: fp32 matmul {ceiling['matmul_fp32_gflops']:.1f} GFLOP/s "
+          f"({ceiling['matmul_fp32_gflops_per_cpu_s']:.1f} per CPU second)")
+    use_cpu = metric == "cpu_ms"
+    peak = ceiling["matmul_fp32_gflops_per_cpu_s" if use_cpu else "matmul_fp32_gflops"]
+
+    if suite in ("layer", "all"):
+        from remoe.bench import layer
+
+        reps = args.reps or (2 if args.quick else 5)
+        rows_sel = tuple(args.rows) if args.rows else layer.ROWS
+        rows = []
+        print(f"\nlayer suite: forward+backward, median of {reps} interleaved rounds")
+        for case in _cases(args):
+            rows += layer.run_case(case, reps, peak, rows=rows_sel, memory=not args.no_memory,
+                                   use_cpu=use_cpu)
+        targets = layer.layer_targets(rows, metric)
+        res["layer"] = {"rows": rows, "targets": targets}
+        print()
+        print(_fmt_table(rows, [("case", "case          ", ""), ("row", "row           ", ""),
+                                ("wall_ms", "fwd+bwd ms", ".1f"), ("vs_dense", "x dense", ".2f"),
+                                ("cpu_ms", "cpu ms", ".1f"), ("vs_dense_cpu", "x dense cpu", ".2f"),
+                                ("peak_mem_mb", "peak MB", ".1f"),
+                                ("gflops", "GFLOP/s", ".1f"), ("mfu", "MFU", ".2f"),
+                                ("sparsity", "sparsity", ".3f")]))
+        _print_targets(targets)
+
+    if suite in ("model", "all"):
+        from remoe.bench import model
+
+        reps = args.reps or (2 if args.quick else 8)
+        preset = args.preset or ("micro" if args.quick else "tiny")
+        kw = dict(preset=preset)
+        if args.quick:
+            kw.update(batch=2, seq=64)
+        print(f"\nmodel suite ({preset}): training (fwd+bwd+AdamW) and inference, "
+              f"median of {reps} interleaved rounds")
+        thr = model.throughput(reps=reps, **kw)
+        for r in thr:
+            if use_cpu:
+                r["train_mfu"] = r["train_gflops"] * r["train_step_ms"] / r["train_cpu_ms"] / peak
+                r["infer_mfu"] = r["infer_gflops"] * r["infer_ms"] / r["infer_cpu_ms"] / peak
+            else:
+                r["train_mfu"] = r["train_gflops"] / peak
+                r["infer_mfu"] = r["infer_gflops"] / peak
+        steps = args.stage_steps or (4 if args.quick else 150)
+        # the stage run trains from init for up to `steps` steps: a smaller batch keeps it short
+        st_kw = dict(kw) if args.quick else dict(kw, batch=4, seq=128)
+        print(f"stages I-II: ReMoE from init vs TopK, up to {steps} steps, batch "
+              f"{st_kw.get('batch', 8)}x{st_kw.get('seq', 256)}")
+        st = model.stages(max_steps=steps, extra_after_settle=2 if args.quick else 15,
+                          metric=metric, **st_kw)
+        mem = model.memory(**kw)
+        targets = model.model_targets(thr, mem, metric)
+        res["model"] = {"preset": preset, "throughput": thr, "stages": st, "memory": mem,
+                        "targets": targets}
+        print()
+        print(_fmt_table(thr, [("row", "row   ", ""), ("train_tokens_per_s", "train tok/s", ".0f"),
+                               ("train_vs_dense", "x dense", ".2f"),
+                               ("train_vs_dense_cpu", "x dense cpu", ".2f"), ("train_mfu", "MFU", ".2f"),
+                               ("infer_tokens_per_s", "infer tok/s", ".0f"),
+                               ("infer_vs_dense", "x dense", ".2f"),
+                               ("infer_vs_dense_cpu", "x dense cpu", ".2f"),
+                               ("sparsity_mean", "sparsity", ".3f"),
+                               ("active_params", "active params", "d")]))
+        print(f"stages: settled at step {st['settled_at_step']} of {st['steps_run']}; "
+              f"relu ms/step stage I-II {st['relu_stage12_ms_per_step']:.1f} vs stage III "
+              f"{st['relu_stage3_ms_per_step']:.1f}; extra {st.get('stage12_extra_s', float('nan')):.2f} s")
+        for mm in mem:
+            print(f"memory (recompute_experts={mm['recompute_experts']}): dense stage "
+                  f"{mm['dense_peak_mb']:.1f} MB, sparse {mm['sparse_peak_mb']:.1f} MB, "
+                  f"ratio {mm['dense_vs_sparse']:.2f}")
+        _print_targets(targets)
+
+    res["machine"]["loadavg_end"] = common.loadavg()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1, default=float))
+    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="remoe bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Layer suite: forward+backward time and peak tensor memory of one FFN slot on identical inputs.
+
+Rows per (T, d_model, d_ffn, E, G, k):
+
+* ``dense``: a dense SwiGLU of the *active* width ``d_ffn * k`` (the floor an MoE layer can reach);
+* ``relu``: our :class:`~remoe.model.moe.MoELayer` with the ReLU router at its target sparsity
+  ``1 - k/E``, default (fused) expert backend; steady state is forced by a calibrated per-expert
+  router bias (see :func:`force_relu_density`);
+* ``relu_unfused``: the same layer and routing on the unfused ``grouped_mm`` backend
+  (nonzero-sort + ``F.grouped_mm`` + ``index_add_``: the pre-optimisation path);
+* ``topk``: our MoELayer with the TopK router (k*G of E*G experts per token), brought to the
+  balanced load its load-balancing loss aims at by a calibrated per-expert bias
+  (:func:`balance_topk_bias`; random init routing is ~10-50% imbalanced at E >= 32);
+* ``hf_eager`` / ``hf_grouped_mm``: transformers' ``MixtralSparseMoeBlock`` with our TopK layer's
+  weights copied in, with its ``eager`` experts implementation (what a stand-alone block runs)
+  and its ``grouped_mm`` one (what ``MixtralForCausalLM`` resolves to by default in
+  transformers 5.x); same shapes, weights and balanced top-k routing as ``topk`` (Mixtral
+  renormalises the k gates).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import asdict, dataclass
+
+import torch
+
+from remoe.bench.common import peak_tensor_memory, time_interleaved
+from remoe.model.moe import DenseFFN, MoEConfig, MoELayer
+from remoe.model.routers import RouterContext
+
+ROWS = ("dense", "relu", "topk", "relu_unfused", "hf_eager", "hf_grouped_mm")
+
+
+@dataclass
+class LayerCase:
+    T: int = 4096
+    d_model: int = 256
+    d_ffn: int = 1024
+    E: int = 8
+    G: int = 1
+    k: int = 1
+    seq_len: int = 1024
+
+    @property
+    def N(self) -> int:
+        return self.E * self.G
+
+    @property
+    def H(self) -> int:
+        return self.d_ffn // self.G
+
+    @property
+    def name(self) -> str:
+        return f"E={self.E} G={self.G} k={self.k}"
+
+
+def force_relu_density(layer: MoELayer, x_TD: torch.Tensor, density: float) -> torch.Tensor:
+    """Make exactly ``round(T * density)`` tokens of ``x_TD`` activate every expert.
+
+    The ReLU router has no bias; we give it one for the benchmark: ``logits - b_e`` with ``b_e``
+    the per-expert order statistic of the logits on ``x_TD``. That is ReMoE's steady state
+    (stage III with perfect load balance): sparsity exactly ``1 - k/E``, every expert
+    ``T k / E`` tokens, a varying number of experts per token. Returns ``b``.
+    """
+    router = layer.router
+    with torch.no_grad():
+        logits = router.logits(x_TD)
+    T = logits.shape[0]
+    keep = int(round(T * density))
+    if keep >= T:
+        b = logits.min(0).values - 1.0
+    elif keep <= 0:
+        b = logits.max(0).values + 1.0
+    else:
+        b = logits.kthvalue(T - keep, dim=0).values  # exactly `keep` values lie above it
+    _bias_router_logits(router, b)
+    return b
+
+
+def balance_topk_bias(logits_TN: torch.Tensor, k: int, iters: int = 80) -> torch.Tensor:
+    """A per-expert bias ``b`` with ``topk(logits - b, k)`` close to perfectly load-balanced.
+
+    Iterative price adjustment: overloaded experts raise their price, idle ones lower it, with
+    a decaying step. TopK's load-balancing loss aims at this state; forcing it makes the TopK
+    rows comparable with the (exactly balanced) ReLU rows.
+    """
+    T, N = logits_TN.shape
+    target = T * k / N
+    b = torch.zeros(N)
+    step = float(logits_TN.std()) * 0.5
+    for _ in range(iters):
+        idx = (logits_TN - b).topk(k, dim=1).indices
+        counts = torch.bincount(idx.reshape(-1), minlength=N).float()
+        b += step * (counts - target) / target
+        step *= 0.95
+    return b
+
+
+def _bias_router_logits(router, b: torch.Tensor) -> None:
+    base = type(router).logits
+
+    def logits_with_bias(self, x):
+        return base(self, x) - b
+
+    router.logits = types.MethodType(logits_with_bias, router)
+
+
+def _hf_biased_router(gate, b: torch.Tensor) -> None:
+    """Give a Mixtral router the same bias: top-k of ``x W - b``, gates = softmax over the k."""
+
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = torch.nn.functional.linear(h, self.weight) - b
+        top_i = logits.topk(self.top_k, dim=-1).indices
+        top_w = torch.softmax(logits.float().gather(1, top_i), dim=-1)
+        return logits, top_w.to(h.dtype), top_i
+
+    gate.forward = types.MethodType(forward, gate)
+
+
+def _hf_block(layer: MoELayer, case: LayerCase, impl: str):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=case.d_model, intermediate_size=case.H,
+                        num_local_experts=case.N, num_experts_per_tok=case.k * case.G,
+                        router_jitter_noise=0.0, hidden_act="silu")
+    cfg._experts_implementation = impl
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(layer.experts.w_in_ND2H.transpose(1, 2))
+        block.experts.down_proj.copy_(layer.experts.w_out_NHD.transpose(1, 2))
+    block.train()
+    return block
+
+
+def _moe_cfg(case: LayerCase, router: str, backend: str = "auto") -> MoEConfig:
+    return MoEConfig(d_model=case.d_model, d_ffn=case.d_ffn, num_experts=case.E, top_k=case.k,
+                     granularity=case.G, router=router, expert_backend=backend)
+
+
+def _flops_fwd_bwd(case: LayerCase, pairs: float, dense: bool = False) -> float:
+    """Model FLOPs of one forward+backward (3x forward): SwiGLU matmuls (+ router logits)."""
+    if dense:
+        return 3 * 6 * case.T * case.d_model * case.d_ffn * case.k
+    return 3 * (6 * pairs * case.d_model * case.H + 2 * case.T * case.d_model * case.N)
+
+
+def build_rows(case: LayerCase, rows: tuple[str, ...] = ROWS, seed: int = 0):
+    """``{row: (module, call)}`` on shared inputs, where ``call(module, x)`` returns ``(y, aux_loss)``."""
+    torch.manual_seed(seed)
+    B = max(1, case.T // case.seq_len)
+    S = case.T // B
+    x = torch.randn(B, S, case.d_model)
+    ctx = RouterContext(batch_size=B, seq_len=S)
+    mods = {}
+    if "dense" in rows:
+        mods["dense"] = DenseFFN(MoEConfig(d_model=case.d_model, d_ffn=case.d_ffn * case.k,
+                                           num_experts=case.E, top_k=case.k, router="dense"))
+    relu = None
+    if {"relu", "relu_unfused"} & set(rows):
+        torch.manual_seed(seed + 1)
+        relu = MoELayer(_moe_cfg(case, "relu"))
+        force_relu_density(relu, x.reshape(-1, case.d_model), case.k / case.E)
+        if "relu" in rows:
+            mods["relu"] = relu
+        if "relu_unfused" in rows:
+            unf = MoELayer(_moe_cfg(case, "relu", backend="grouped_mm"))
+            unf.load_state_dict(relu.state_dict())
+            force_relu_density(unf, x.reshape(-1, case.d_model), case.k / case.E)
+            mods["relu_unfused"] = unf
+    topk = None
+    if {"topk", "hf_eager", "hf_grouped_mm"} & set(rows):
+        torch.manual_seed(seed + 2)
+        topk = MoELayer(_moe_cfg(case, "topk"))
+        with torch.no_grad():
+            b = balance_topk_bias(topk.router.logits(x.reshape(-1, case.d_model)), case.k * case.G)
+        _bias_router_logits(topk.router, b)
+        if "topk" in rows:
+            mods["topk"] = topk
+        for impl in ("eager", "grouped_mm"):
+            if f"hf_{impl}" in rows:
+                mods[f"hf_{impl}"] = _hf_block(topk, case, impl)
+                _hf_biased_router(mods[f"hf_{impl}"].gate, b)
+    return x, ctx, mods
+
+
+def _step_fn(mod, x, ctx, gy):
+    xg = x.detach().requires_grad_(True)
+    params = list(mod.parameters())
+    is_hf = not isinstance(mod, (MoELayer, DenseFFN))
+
+    def step():
+        if is_hf:
+            y = mod(xg)
+            loss = (y * gy).sum()
+        else:
+            y, aux = mod(xg, ctx)
+            loss = (y * gy).sum() + aux.reg_loss + aux.aux_loss
+        loss.backward()
+        xg.grad = None
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+def _routing_stats(mod: MoELayer, x, ctx) -> dict:
+    with torch.no_grad():
+        r = mod.router(x.reshape(-1, x.shape[-1]), ctx)
+    counts = r.mask_TN.sum(0).float()
+    per_token = r.mask_TN.sum(1).float()
+    return {"sparsity": 1.0 - float(r.mask_TN.float().mean()),
+            "pairs": int(r.mask_TN.sum()),
+            "tokens_per_expert_min": int(counts.min()), "tokens_per_expert_max": int(counts.max()),
+            "experts_per_token_mean": float(per_token.mean()),
+            "experts_per_token_max": int(per_token.max()),
+            "idle_tokens": int((per_token == 0).sum())}
+
+
+def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS,
+             memory: bool = True, slow_s: float = 20.0, use_cpu: bool = False,
+             log=print) -> list[dict]:
+    """Time every row of one case interleaved; returns one dict per row.
+
+    ``mfu``: model FLOPs per second over ``ceiling_gflops``, per wall second or, with
+    ``use_cpu``, per CPU second (then ``ceiling_gflops`` must be the per-CPU-second ceiling)."""
+    x, ctx, mods = build_rows(case, rows)
+    gy = torch.randn_like(x)
+    fns = {name: _step_fn(m, x, ctx, gy) for name, m in mods.items()}
+    samples = time_interleaved(fns, reps=reps, warmup=1, slow_s=slow_s)
+    out = []
+    dense = samples.get("dense")
+    for name, m in mods.items():
+        s = samples[name]
+        row = {"case": case.name, **asdict(case), "row": name, **s.as_dict()}
+        if isinstance(m, MoELayer):
+            row.update(_routing_stats(m, x, ctx))
+            pairs = row["pairs"]
+        else:
+            pairs = case.T * case.k * case.G
+        flops = _flops_fwd_bwd(case, pairs, dense=name == "dense")
+        row["gflops"] = flops / s.wall / 1e9
+        row["gflops_per_cpu_s"] = flops / s.cpu / 1e9
+        rate = row["gflops_per_cpu_s"] if use_cpu else row["gflops"]
+        row["mfu"] = rate / ceiling_gflops if ceiling_gflops else None
+        row["vs_dense"] = s.wall / dense.wall if dense else None
+        row["vs_dense_cpu"] = s.cpu / dense.cpu if dense else None
+        row["peak_mem_mb"] = None
+        if memory and s.wall < slow_s:  # the profiler pass would repeat a minutes-long call
+            row["peak_mem_mb"] = peak_tensor_memory(fns[name]) / 2**20
+        out.append(row)
+        log(f"  {case.name:>14} {name:>14}: {row['wall_ms']:9.1f} ms  x{row['vs_dense'] or 0:5.2f} dense"
+            f"  | cpu {row['cpu_ms']:9.1f} ms  x{row['vs_dense_cpu'] or 0:5.2f}"
+            + (f"  peak {row['peak_mem_mb']:8.1f} MB" if row.get("peak_mem_mb") is not None else ""))
+    return out
+
+
+def layer_targets(rows: list[dict], metric: str = "wall_ms") -> list[dict]:
+    """The issue's layer targets, evaluated on one run's rows with ``metric`` (wall_ms | cpu_ms)."""
+    by = {(r["E"], r["G"], r["k"], r["row"]): r for r in rows}
+    t = []
+
+    def add(name, value, limit, ok):
+        t.append({"target": name, "value": None if value is None else round(value, 3),
+                  "limit": limit, "met": bool(ok) if value is not None else None})
+
+    def ratio(a, b):
+        ra, rb = by.get(a), by.get(b)
+        return ra[metric] / rb[metric] if ra and rb else None
+
+    v = ratio((8, 1, 1, "relu"), (8, 1, 1, "dense"))
+    add("relu / dense at E=8 G=1 k=1", v, "<= 1.15", v is not None and v <= 1.15)
+    for (E, G) in sorted({(r["E"], r["G"]) for r in rows}):
+        if (E, G) in ((128, 1), (8, 64)):
+            for row in ("relu", "topk"):
+                v = ratio((E, G, 1, row), (E, G, 1, "dense"))
+                add(f"{row} / dense at E={E} G={G}", v, "<= 2.0", v is not None and v <= 2.0)
+        v = ratio((E, G, 1, "relu"), (E, G, 1, "topk"))
+        add(f"relu / topk at E={E} G={G}", v, "0.95 .. 1.05", v is not None and 0.95 <= v <= 1.05)
+        for hf in ("hf_eager", "hf_grouped_mm"):
+            v = ratio((E, G, 1, hf), (E, G, 1, "relu"))
+            need = 2.0 if E >= 128 else 1.0
+            add(f"{hf} / relu at E={E} G={G}", v, f">= {need}" if need > 1 else "> 1.0",
+                v is not None and (v >= need if need > 1 else v > 1.0))
+    return t
