@@ -1,4 +1,7 @@
-"""`remoe bench --suite layer` as a script: `python benchmarks/bench_layer.py [--quick] [--out PATH] ...`."""
+"""`remoe bench --suite layer` as a script.
+
+    python benchmarks/bench_layer.py [--quick] [--threads N] [--out PATH] ...
+"""
 
 import sys
 

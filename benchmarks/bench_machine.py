@@ -1,4 +1,7 @@
-"""`remoe bench --suite machine` as a script: `python benchmarks/bench_machine.py [--quick] [--out PATH] ...`."""
+"""`remoe bench --suite machine` as a script.
+
+    python benchmarks/bench_machine.py [--quick] [--threads N] [--out PATH] ...
+"""
 
 import sys
 

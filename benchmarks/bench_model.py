@@ -1,4 +1,7 @@
-"""`remoe bench --suite model` as a script: `python benchmarks/bench_model.py [--quick] [--out PATH] ...`."""
+"""`remoe bench --suite model` as a script.
+
+    python benchmarks/bench_model.py [--quick] [--threads N] [--out PATH] ...
+"""
 
 import sys
 

@@ -131,7 +131,8 @@ def throughput(rows=ROWS, batch: int = 8, seq: int = 256, reps: int = 8, preset:
         row["train_gflops"] = 6 * row["active_params"] * T / tr[r].wall / 1e9
         row["infer_gflops"] = 2 * row["active_params"] * T / inf[r].wall / 1e9
         out.append(row)
-        log(f"  model {r:>6}: train {row['train_tokens_per_s']:8.0f} tok/s ({row['train_step_ms']:7.1f} ms/step)"
+        log(f"  model {r:>6}: train {row['train_tokens_per_s']:8.0f} tok/s "
+            f"({row['train_step_ms']:7.1f} ms/step)"
             f"  infer {row['infer_tokens_per_s']:8.0f} tok/s"
             + (f"  sparsity {row['sparsity_mean']:.3f}" if row["sparsity_mean"] is not None else ""))
     base = next((o for o in out if o["row"] == "dense"), None)
