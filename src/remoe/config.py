@@ -29,7 +29,7 @@ ROUTERS = (
 )
 DENSE_ROUTERS = ("dense", "dense_wide")
 REG_TYPES = ("lb", "l1")
-EXPERT_BACKENDS = ("auto", "grouped_mm", "reference")
+EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 
 # Table 1 of the paper (dense backbones); the GPT-2 vocabulary 50257 is padded to 50304
