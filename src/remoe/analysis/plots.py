@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from remoe.analysis.stages import Stages, trailing_mean
+from remoe.analysis.stages import Stages, centered_mean, trailing_mean
 from remoe.analysis.tokens import mpl_safe
 
 DPI = 160
@@ -96,8 +96,8 @@ def fig_stages(steps, sparsity, lam, reg, lm, st: Stages | None, title: str) -> 
     ax1.plot(steps, sparsity, color="C0", lw=1.0, label="sparsity $S_i$",
              alpha=0.5 if st is not None and st.smooth > 1 else 1.0)
     if st is not None and st.smooth > 1:
-        ax1.plot(steps, trailing_mean(np.asarray(sparsity, float), st.smooth), color="C0", lw=1.6,
-                 label=f"trailing mean of {st.smooth} (used for the stages)")
+        ax1.plot(steps, centered_mean(np.asarray(sparsity, float), st.smooth), color="C0", lw=1.6,
+                 label=f"centred mean of {st.smooth} (used for the stages)")
     if st is not None:
         ax1.axhline(st.target, color="k", ls="--", lw=0.9, label=f"target 1-k/E = {st.target:.4g}")
         ax1.axhspan(st.target - st.tol, st.target + st.tol, color="0.5", alpha=0.15, lw=0,
