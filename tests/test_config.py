@@ -72,10 +72,10 @@ def test_small_expert_counts_are_valid_for_every_router(router):
 
 
 def test_edge_values_that_are_valid():
-    ReMoEConfig(**{**MICRO, "num_experts": 8, "top_k": 8})  # k = E: dense routing
-    ReMoEConfig(**{**MICRO, "granularity": 256})  # experts of width 1
-    ReMoEConfig(**{**MICRO, "alpha": 1.0001, "lb_coeff": 0.0, "warmup_steps": 0})
-    ReMoEConfig(**{**MICRO, "num_heads": 4, "num_kv_heads": 4})  # MHA
+    assert ReMoEConfig(**{**MICRO, "num_experts": 8, "top_k": 8}).target_sparsity == 0.0  # k = E
+    assert ReMoEConfig(**{**MICRO, "granularity": 256}).moe_config().d_expert == 1
+    assert ReMoEConfig(**{**MICRO, "alpha": 1.0001, "lb_coeff": 0.0, "warmup_steps": 0}).alpha == 1.0001
+    assert ReMoEConfig(**{**MICRO, "num_heads": 4, "num_kv_heads": 4}).num_kv_heads == 4  # MHA
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

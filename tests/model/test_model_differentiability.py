@@ -39,7 +39,8 @@ def _relu_fd_case():
     return layer, f
 
 
-def _check_router_gradient(eps: float, rtol: float, atol: float) -> None:
+def _router_gradients(eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(autograd gradient, central differences) of f w.r.t. the router weight."""
     layer, f = _relu_fd_case()
     W = layer.router.weight
     W.grad = None
@@ -57,17 +58,19 @@ def _check_router_gradient(eps: float, rtol: float, atol: float) -> None:
                 fm = f().item()
                 W[i, j] = w0
                 fd[i, j] = (fp - fm) / (2 * eps)
-    torch.testing.assert_close(grad, fd, rtol=rtol, atol=atol)
+    return grad, fd
 
 
 def test_relu_router_weight_gradient_matches_central_differences():
     """Autograd d f / d W_router == central differences (tolerance of an fp32 router matmul)."""
-    _check_router_gradient(eps=1e-3, rtol=1e-3, atol=1e-3)
+    grad, fd = _router_gradients(eps=1e-3)
+    torch.testing.assert_close(grad, fd, rtol=1e-3, atol=1e-3)
 
 
 def test_relu_router_weight_gradient_matches_central_differences_float64_exact():
     """The same check at float64 precision: the router must not drop a float64 model to fp32."""
-    _check_router_gradient(eps=1e-6, rtol=1e-6, atol=1e-8)
+    grad, fd = _router_gradients(eps=1e-6)
+    torch.testing.assert_close(grad, fd, rtol=1e-6, atol=1e-8)
 
 
 def _switching_layers():

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,12 +136,15 @@ def _unit_worker(rank: int, init_file: str) -> None:
         for i, st in opt.state_dict()["state"].items():
             for k, v in st.items():
                 assert torch.equal(back["state"][i][k], v)
+        (Path(init_file).parent / f"passed_rank{rank}").write_text("ok")  # every check above held
     finally:
         dist.destroy_process_group()
 
 
 def test_ep_experts_equal_full_experts(tmp_path):
     mp.spawn(_unit_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+    assert sorted(p.name for p in tmp_path.glob("passed_rank*")) == [f"passed_rank{r}"
+                                                                     for r in range(WORLD)]
 
 
 # ----------------------------------------------------------------------------- config
