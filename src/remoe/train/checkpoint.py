@@ -28,22 +28,29 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
-                    tokenizer_path: str | None, keep_last: int) -> Path:
-    """Write ``ckpt_root/step_<step>`` atomically, point LATEST at it, prune old ones."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:07d}"
-    final = ckpt_root / name
-    tmp = ckpt_root / f".{name}.tmp{os.getpid()}"
+def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None,
+                    state: dict[str, Any] | None = None) -> Path:
+    """Write an HF model directory (+ tokenizer.json, + trainer state) atomically to ``final``."""
+    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     unwrap(model).save_pretrained(tmp, safe_serialization=True)
     if tokenizer_path:
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-    torch.save(state, tmp / STATE_FILE)
+    if state is not None:
+        torch.save(state, tmp / STATE_FILE)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    return final
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
+                    tokenizer_path: str | None, keep_last: int) -> Path:
+    """Write ``ckpt_root/step_<step>`` atomically, point LATEST at it, prune old ones."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:07d}"
+    final = write_model_dir(ckpt_root / name, model, tokenizer_path, state)
     atomic_write_text(ckpt_root / LATEST, name)
     if keep_last > 0:
         done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())

@@ -597,22 +597,8 @@ class Trainer:
             "final_dir": str(final_dir),
         }
         if self.dist.is_main:
-            tmp = self.run_dir / ".final.tmp"
-            if tmp.exists():
-                import shutil
-
-                shutil.rmtree(tmp)
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            tok = getattr(self.data, "tokenizer_path", None)
-            if tok:
-                import shutil
-
-                shutil.copyfile(tok, tmp / "tokenizer.json")
-            if final_dir.exists():
-                import shutil
-
-                shutil.rmtree(final_dir)
-            os.replace(tmp, final_dir)
+            ckpt_io.write_model_dir(final_dir, self.model,
+                                    getattr(self.data, "tokenizer_path", None))
             ckpt_io.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             self.metrics.close()
             self.evals.close()
