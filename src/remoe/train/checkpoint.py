@@ -72,7 +72,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 
 def unwrap(model):
-    """The ReMoEForCausalLM inside a DDP/FSDP wrapper."""
+    """The ReMoEForCausalLM inside a DDP wrapper."""
     return getattr(model, "module", model)
 
 

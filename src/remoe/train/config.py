@@ -58,7 +58,6 @@ class TrainConfig:
     tensorboard: bool = False
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
-    distributed: str = "ddp"  # ddp | fsdp (used when launched with torchrun)
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
     # layer (remoe.model.expert_parallel); no-op with one process
@@ -85,13 +84,8 @@ class TrainConfig:
                f"train.device={self.device!r} must be one of auto, cpu, cuda")
         _check(self.precision in ("auto", "fp32", "bf16"),
                f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
-        _check(self.distributed in ("ddp", "fsdp"),
-               f"train.distributed={self.distributed!r} must be one of ddp, fsdp")
         _check(self.num_threads is None or self.num_threads >= 1,
                f"train.num_threads={self.num_threads!r} must be >= 1 or null")
-        _check(not (self.expert_parallel and self.distributed == "fsdp"),
-               "train.expert_parallel=true cannot be combined with train.distributed=fsdp "
-               "(use ddp)")
 
 
 @dataclass

@@ -243,13 +243,6 @@ class Trainer:
     def _wrap_model(self):
         if not self.dist.enabled:
             return self.model
-        if self.cfg.train.distributed == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in self.model.layers:
-                fully_shard(block)
-            fully_shard(self.model)
-            return self.model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if self.ep is not None:  # each rank owns different experts: DDP must not touch them
@@ -269,9 +262,6 @@ class Trainer:
         check_expert_parallel(mc.router, mc.num_experts * mc.granularity, self.dist.world_size)
         if not self.dist.enabled:
             return None
-        if tc.distributed != "ddp":
-            raise ConfigError("train.expert_parallel=true cannot be combined with "
-                              f"train.distributed={tc.distributed} (use ddp)")
         # a group of its own: the expert exchanges never interleave with DDP's all-reduces
         return shard_experts(self.model, dist.new_group())
 
