@@ -141,3 +141,9 @@ def test_loading_an_impossible_config_json_raises(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"^model\.top_k=9"):
         ReMoEConfig.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_top_k_override(tmp_path):
+    ReMoEConfig(**{**MICRO, "top_k": 2}).save_pretrained(tmp_path)
+    assert ReMoEConfig.from_pretrained(tmp_path).moe_top_k == 2
+    assert ReMoEConfig.from_pretrained(tmp_path, top_k=3).moe_top_k == 3

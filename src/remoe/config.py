@@ -156,6 +156,13 @@ class ReMoEConfig(PretrainedConfig):
         return 1.0 - self.moe_top_k / self.num_experts
 
     @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "ReMoEConfig":
+        """As transformers', with ``top_k=`` overrides mapped onto ``moe_top_k``."""
+        if "top_k" in kwargs:
+            kwargs["moe_top_k"] = kwargs.pop("top_k")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ReMoEConfig":
         if name not in PRESETS:
             raise ConfigError(f"model.preset={name!r} must be one of {sorted(PRESETS)}")
