@@ -151,12 +151,8 @@ def sparsity_skip(run: Run, opts: Options, st: Stages | None) -> int:
 
 def analyze_sparsity(run: Run, out: Path, opts: Options) -> dict[str, Any]:
     m = run.metrics
-    if not len(m) or not m.has("sparsity"):
-        raise Skip("metrics.jsonl has no sparsity")
-    target = run.target_sparsity
-    if target is None:
-        raise Skip(f"router={run.router} has no routed experts")
-    st = compute_stages(run, opts)
+    st = compute_stages(run, opts)  # skips runs without sparsity or target, as this needs
+    target = st.target
     skip = sparsity_skip(run, opts, st)
     mean, std, n = mean_std_after(m.steps, m["sparsity"], skip)
     fig = plots.fig_sparsity(m.steps, m["sparsity"], target, skip, mean, std,
