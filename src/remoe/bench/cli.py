@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from remoe.allocator import MODES
+from remoe.allocator import configure as configure_allocator
+
 SUITES = ("layer", "model", "machine", "all")
 
 
@@ -31,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON path (default: bench_results/<suite>[-quick].json)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--reps", type=int, default=None, help="timed rounds per measurement")
-    p.add_argument("--allocator", choices=("default", "tcmalloc"), default="default",
-                   help="tcmalloc: re-run this command with libtcmalloc_minimal preloaded (it keeps "
-                        "freed large blocks mapped, so fresh gradients cost no page faults)")
+    p.add_argument("--allocator", choices=MODES, default="retain",
+                   help="host allocator (remoe.allocator): retain (default: glibc keeps freed large "
+                        "blocks, so fresh gradients cost no page faults), default (untouched "
+                        "malloc), tcmalloc (re-run with libtcmalloc_minimal preloaded)")
     g = p.add_argument_group("layer suite")
     g.add_argument("--tokens", type=int, default=4096, help="T (default 4096)")
     g.add_argument("--d-model", type=int, default=256)
@@ -87,26 +91,10 @@ def _print_targets(targets: list[dict]) -> None:
         print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']})")
 
 
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
-
-
-def _reexec_with_tcmalloc() -> None:
-    """Replace this process by the same command with tcmalloc preloaded (Linux only)."""
-    lib = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
-    if lib is None:
-        raise SystemExit("remoe bench: --allocator tcmalloc needs libtcmalloc_minimal.so.4 "
-                         "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4)")
-    env = dict(os.environ, LD_PRELOAD=lib)
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def run(args: argparse.Namespace) -> int:
     from remoe.bench import common
 
-    if args.allocator == "tcmalloc" and "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):
-        _reexec_with_tcmalloc()
+    allocator = configure_allocator(args.allocator, "remoe bench")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
     res: dict = {"schema": "remoe-bench/1", "command": " ".join(sys.argv),
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
-                 "machine": common.machine_info()}
+                 "machine": common.machine_info(allocator)}
     m = res["machine"]
     print(f"machine: {m['cpu_model']}, {m['cores_logical']} logical cores, torch {m['torch']}, "
-          f"{m['threads']} threads, load {m['loadavg_start']}")
+          f"{m['threads']} threads, load {m['loadavg_start']}, allocator: {allocator}")
 
     # On one thread, process CPU time is wall time minus the time other processes held the
     # core: the robust figure on a shared machine. With several threads, spinning workers

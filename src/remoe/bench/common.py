@@ -112,7 +112,7 @@ def loadavg() -> list[float] | None:
         return None
 
 
-def machine_info() -> dict:
+def machine_info(allocator: str | None = None) -> dict:
     """What the numbers depend on: CPU, cores, threads, library versions, allocator, load."""
     import transformers
 
@@ -125,7 +125,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
-        "allocator": os.environ.get("LD_PRELOAD") or "default (glibc malloc)",
+        "allocator": allocator or os.environ.get("LD_PRELOAD") or "system malloc, default",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "loadavg_start": loadavg(),
     }

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from remoe.allocator import MODES
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny_remoe.yaml"
 
 
@@ -21,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit (validates it)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
+    p.add_argument("--allocator", choices=MODES, default="retain",
+                   help="host allocator (remoe.allocator): retain (default: glibc keeps freed large "
+                        "blocks for the next step: no page faults on fresh gradients), default, "
+                        "tcmalloc (re-run with libtcmalloc_minimal preloaded)")
 
 
 def _config_path(arg: str | None) -> Path | None:
@@ -37,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from remoe.allocator import configure as configure_allocator
     from remoe.train.trainer import Trainer, TrainingDiverged, format_summary
+
+    configure_allocator(args.allocator, "remoe train")
 
     trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
     try:

@@ -1,0 +1,92 @@
+"""Host (CPU) memory allocator settings for the ``remoe`` commands.
+
+Why: every training step frees and re-allocates the same large buffers (weight gradients,
+logits, saved activations). glibc serves blocks above its mmap threshold (at most 32 MiB) with
+a fresh ``mmap`` and returns them with ``munmap`` on free, so each step page-faults and zeroes
+them again. At E=128 (T=4096, d=256) the 400 MB of expert weight gradients cost more than the
+expert matmuls themselves (docs/PERFORMANCE.md). Three modes:
+
+* ``default``: leave the allocator alone;
+* ``retain`` (the CLI default on glibc): ``mallopt`` so large blocks come from the heap and
+  freed memory is kept for reuse (no ``munmap``, no trimming): the next step's gradients reuse
+  the same pages without faults. Memory is not returned to the OS before the process ends,
+  which is what a training process wants; it is set in-process, no restart;
+* ``tcmalloc``: re-execute the command with ``libtcmalloc_minimal`` preloaded (it caches freed
+  large spans too); needs ``apt-get install libtcmalloc-minimal4``.
+
+Only the command-line entry points call :func:`configure`; importing ``remoe`` never changes
+the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+from remoe.errors import ConfigError
+
+MODES = ("default", "retain", "tcmalloc")
+
+# glibc <malloc.h>
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version") else None
+
+
+def tcmalloc_path() -> str | None:
+    return next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
+
+
+def tcmalloc_loaded() -> bool:
+    return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
+
+
+def retain_freed_memory() -> bool:
+    """glibc: serve large blocks from the heap and never trim it. False where unsupported."""
+    libc = _glibc()
+    if libc is None or tcmalloc_loaded():
+        return False
+    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+    ok &= libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return bool(ok)
+
+
+def reexec_with_tcmalloc(command: str = "remoe") -> None:
+    """Replace this process by the same command with tcmalloc preloaded (Linux only)."""
+    lib = tcmalloc_path()
+    if lib is None:
+        raise ConfigError(f"{command}: allocator=tcmalloc needs libtcmalloc_minimal.so.4 "
+                          "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4); "
+                          f"allowed: {', '.join(MODES)}")
+    env = dict(os.environ, LD_PRELOAD=lib)
+    # orig_argv keeps the interpreter's own options (``python -m remoe.cli ...``)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def configure(mode: str, command: str = "remoe") -> str:
+    """Apply ``mode`` (one of :data:`MODES`) to this process; returns a one-line description
+    of the allocator in effect (``retain`` falls back to the default where glibc is absent)."""
+    if mode not in MODES:
+        raise ConfigError(f"allocator: unknown value {mode!r}; allowed: {', '.join(MODES)}")
+    if tcmalloc_loaded():
+        return f"tcmalloc ({os.environ['LD_PRELOAD']})"
+    if mode == "tcmalloc":
+        reexec_with_tcmalloc(command)
+    if mode == "retain" and retain_freed_memory():
+        return "glibc malloc, retain (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
+    return "system malloc, default"
