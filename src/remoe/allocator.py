@@ -14,6 +14,12 @@ expert matmuls themselves (docs/PERFORMANCE.md). Three modes:
 * ``tcmalloc``: re-execute the command with ``libtcmalloc_minimal`` preloaded (it caches freed
   large spans too); needs ``apt-get install libtcmalloc-minimal4``.
 
+Caveat of ``retain``: without ``mmap`` every block lives in one heap, and a long process whose
+allocation sizes keep changing can fragment it and grow (seen once: 24 GB in a single process
+that ran every benchmark configuration, transformers' eager Mixtral block at E=128 last). A
+training process allocates the same sizes every step, so its footprint stays flat; ``remoe
+bench`` runs each measurement in a fresh child process. Use ``default`` if memory grows.
+
 Only the command-line entry points call :func:`configure`; importing ``remoe`` never changes
 the process.
 """
@@ -68,25 +74,47 @@ def retain_freed_memory() -> bool:
 
 def reexec_with_tcmalloc(command: str = "remoe") -> None:
     """Replace this process by the same command with tcmalloc preloaded (Linux only)."""
-    lib = tcmalloc_path()
-    if lib is None:
-        raise ConfigError(f"{command}: allocator=tcmalloc needs libtcmalloc_minimal.so.4 "
-                          "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4); "
-                          f"allowed: {', '.join(MODES)}")
-    env = dict(os.environ, LD_PRELOAD=lib)
+    check_mode("tcmalloc", command)
+    env = dict(os.environ, LD_PRELOAD=tcmalloc_path())
     # orig_argv keeps the interpreter's own options (``python -m remoe.cli ...``)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def configure(mode: str, command: str = "remoe") -> str:
-    """Apply ``mode`` (one of :data:`MODES`) to this process; returns a one-line description
-    of the allocator in effect (``retain`` falls back to the default where glibc is absent)."""
+    """Apply ``mode`` (one of :data:`MODES`) to this process; returns :func:`describe`.
+
+    ``tcmalloc`` re-executes the command with the library preloaded unless it already is;
+    ``retain`` falls back to the default where glibc is absent."""
+    check_mode(mode, command)
+    if mode == "tcmalloc" and not tcmalloc_loaded():
+        reexec_with_tcmalloc(command)
+    if mode == "retain":
+        retain_freed_memory()
+    return describe(mode)
+
+
+def check_mode(mode: str, command: str = "remoe") -> None:
+    """One-line :class:`ConfigError` for an unknown mode or a missing tcmalloc library."""
     if mode not in MODES:
         raise ConfigError(f"allocator: unknown value {mode!r}; allowed: {', '.join(MODES)}")
-    if tcmalloc_loaded():
-        return f"tcmalloc ({os.environ['LD_PRELOAD']})"
-    if mode == "tcmalloc":
-        reexec_with_tcmalloc(command)
-    if mode == "retain" and retain_freed_memory():
+    if mode == "tcmalloc" and not tcmalloc_loaded() and tcmalloc_path() is None:
+        raise ConfigError(f"{command}: allocator=tcmalloc needs libtcmalloc_minimal.so.4 "
+                          "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4); "
+                          f"allowed: {', '.join(MODES)}")
+
+
+def child_environment(mode: str) -> dict[str, str]:
+    """Environment variables a child process needs to start with ``mode`` (tcmalloc: LD_PRELOAD)."""
+    check_mode(mode)
+    if mode == "tcmalloc" and not tcmalloc_loaded():
+        return {"LD_PRELOAD": tcmalloc_path()}
+    return {}
+
+
+def describe(mode: str) -> str:
+    """A one-line description of the allocator a process configured with ``mode`` runs."""
+    if tcmalloc_loaded() or mode == "tcmalloc":
+        return f"tcmalloc ({os.environ.get('LD_PRELOAD') or tcmalloc_path()})"
+    if mode == "retain" and _glibc() is not None:
         return "glibc malloc, retain (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
     return "system malloc, default"

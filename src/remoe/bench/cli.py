@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from remoe import allocator
 from remoe.allocator import MODES
-from remoe.allocator import configure as configure_allocator
 
 SUITES = ("layer", "model", "machine", "all")
 
@@ -91,10 +91,42 @@ def _print_targets(targets: list[dict]) -> None:
         print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']})")
 
 
+def _child_call(mode: str, threads: int, fn, args, kwargs):
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines as they happen
+    allocator.configure(mode, "remoe bench")
+    torch.set_num_threads(threads)
+    return fn(*args, **kwargs)
+
+
+def _in_child(args: argparse.Namespace, fn, *fargs, **fkwargs):
+    """``fn(*fargs, **fkwargs)`` in a fresh spawned process that uses ``args.allocator`` and this
+    process's thread count. Measurements start from a clean heap (as a training process does),
+    and allocator settings never leak into the calling process (tests call :func:`main`)."""
+    import concurrent.futures
+    import multiprocessing
+
+    env = allocator.child_environment(args.allocator)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned children inherit it (tcmalloc must be preloaded at start)
+    sys.stdout.flush()
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            return pool.submit(_child_call, args.allocator, torch.get_num_threads(), fn, fargs,
+                               fkwargs).result()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(args: argparse.Namespace) -> int:
     from remoe.bench import common
 
-    allocator = configure_allocator(args.allocator, "remoe bench")
+    allocator.check_mode(args.allocator, "remoe bench")
+    alloc_desc = allocator.describe(args.allocator)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
     out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
     res: dict = {"schema": "remoe-bench/1", "command": " ".join(sys.argv),
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
-                 "machine": common.machine_info(allocator)}
+                 "machine": common.machine_info(alloc_desc)}
     m = res["machine"]
     print(f"machine: {m['cpu_model']}, {m['cores_logical']} logical cores, torch {m['torch']}, "
-          f"{m['threads']} threads, load {m['loadavg_start']}, allocator: {allocator}")
+          f"{m['threads']} threads, load {m['loadavg_start']}, allocator: {alloc_desc}")
 
     # On one thread, process CPU time is wall time minus the time other processes held the
     # core: the robust figure on a shared machine. With several threads, spinning workers
@@ -128,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
         rows_sel = tuple(args.rows) if args.rows else layer.ROWS
         rows = []
         print(f"\nlayer suite: forward+backward, median of {reps} interleaved rounds")
-        for case in _cases(args):
-            rows += layer.run_case(case, reps, peak, rows=rows_sel, memory=not args.no_memory,
-                                   use_cpu=use_cpu)
+        for case in _cases(args):  # each case in a fresh process: no heap state carried over
+            rows += _in_child(args, layer.run_case, case, reps, peak, rows=rows_sel,
+                              memory=not args.no_memory, use_cpu=use_cpu)
         targets = layer.layer_targets(rows, metric)
         res["layer"] = {"rows": rows, "targets": targets}
         print()
@@ -152,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             kw.update(batch=2, seq=64)
         print(f"\nmodel suite ({preset}): training (fwd+bwd+AdamW) and inference, "
               f"median of {reps} interleaved rounds")
-        thr = model.throughput(reps=reps, **kw)
+        thr = _in_child(args, model.throughput, reps=reps, **kw)
         for r in thr:
             if use_cpu:
                 r["train_mfu"] = r["train_gflops"] * r["train_step_ms"] / r["train_cpu_ms"] / peak
@@ -165,9 +197,9 @@ def run(args: argparse.Namespace) -> int:
         st_kw = dict(kw) if args.quick else dict(kw, batch=4, seq=128)
         print(f"stages I-II: ReMoE from init vs TopK, up to {steps} steps, batch "
               f"{st_kw.get('batch', 8)}x{st_kw.get('seq', 256)}")
-        st = model.stages(max_steps=steps, extra_after_settle=2 if args.quick else 15,
-                          metric=metric, **st_kw)
-        mem = model.memory(**kw)
+        st = _in_child(args, model.stages, max_steps=steps,
+                       extra_after_settle=2 if args.quick else 15, metric=metric, **st_kw)
+        mem = _in_child(args, model.memory, **kw)
         targets = model.model_targets(thr, mem, metric)
         res["model"] = {"preset": preset, "throughput": thr, "stages": st, "memory": mem,
                         "targets": targets}
