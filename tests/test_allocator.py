@@ -35,7 +35,7 @@ print(round(held - base), round(rss_mb() - base))
 
 
 def test_unknown_mode_is_one_clear_error():
-    with pytest.raises(ConfigError, match="allocator: unknown value 'jemalloc'; allowed: default, retain, tcmalloc"):
+    with pytest.raises(ConfigError, match="allocator: unknown value 'jemalloc'; allowed: auto, default, retain, tcmalloc"):
         allocator.configure("jemalloc")
 
 
@@ -56,3 +56,20 @@ def test_retain_keeps_freed_large_blocks(mode):
         assert after_free >= 250  # kept for the next step: no munmap, no page faults on reuse
     else:
         assert after_free < 50  # glibc unmapped it at free()
+
+
+def test_auto_never_restarts_a_process_it_does_not_own():
+    assert allocator.resolve("auto", may_reexec=False) in ("default", "tcmalloc")
+    if not allocator.tcmalloc_loaded():
+        assert allocator.resolve("auto", may_reexec=False) == "default"
+        assert "default" in allocator.configure("auto", may_reexec=False)
+
+
+@pytest.mark.skipif(allocator.tcmalloc_path() is None, reason="libtcmalloc-minimal4 not installed")
+def test_auto_restarts_the_command_with_tcmalloc_preloaded():
+    code = ("import os, sys; from remoe import allocator; "
+            "print(allocator.configure('auto', 'probe')); print(os.environ.get('LD_PRELOAD'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0].startswith("tcmalloc") and out[1] == allocator.tcmalloc_path()
+    assert allocator.child_environment("auto") == {"LD_PRELOAD": allocator.tcmalloc_path()}

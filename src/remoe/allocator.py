@@ -4,21 +4,21 @@ Why: every training step frees and re-allocates the same large buffers (weight g
 logits, saved activations). glibc serves blocks above its mmap threshold (at most 32 MiB) with
 a fresh ``mmap`` and returns them with ``munmap`` on free, so each step page-faults and zeroes
 them again. At E=128 (T=4096, d=256) the 400 MB of expert weight gradients cost more than the
-expert matmuls themselves (docs/PERFORMANCE.md). Three modes:
+expert matmuls themselves (docs/PERFORMANCE.md). Modes:
 
+* ``auto`` (the CLI default): ``tcmalloc`` when ``libtcmalloc_minimal`` is installed (the
+  install script installs it) and the command owns its process, else ``default``;
 * ``default``: leave the allocator alone;
-* ``retain`` (the CLI default on glibc): ``mallopt`` so large blocks come from the heap and
-  freed memory is kept for reuse (no ``munmap``, no trimming): the next step's gradients reuse
-  the same pages without faults. Memory is not returned to the OS before the process ends,
-  which is what a training process wants; it is set in-process, no restart;
-* ``tcmalloc``: re-execute the command with ``libtcmalloc_minimal`` preloaded (it caches freed
-  large spans too); needs ``apt-get install libtcmalloc-minimal4``.
-
-Caveat of ``retain``: without ``mmap`` every block lives in one heap, and a long process whose
-allocation sizes keep changing can fragment it and grow (seen once: 24 GB in a single process
-that ran every benchmark configuration, transformers' eager Mixtral block at E=128 last). A
-training process allocates the same sizes every step, so its footprint stays flat; ``remoe
-bench`` runs each measurement in a fresh child process. Use ``default`` if memory grows.
+* ``tcmalloc``: re-execute the command with ``libtcmalloc_minimal`` preloaded (it keeps freed
+  large spans for reuse and returns memory to the OS gradually), as PyTorch's CPU tuning guide
+  recommends; needs ``apt-get install libtcmalloc-minimal4``;
+* ``retain`` (opt-in, glibc, no restart): ``mallopt`` so large blocks come from the heap and
+  freed memory is never trimmed: the next step's gradients reuse the same pages. Caveat: every
+  block then lives in one heap, and allocation patterns that interleave many large short-lived
+  blocks with small long-lived ones fragment it without bound. Measured: transformers' eager
+  Mixtral block at E=128 (128 whole-parameter zero gradients per backward) grew one process to
+  24 GB and was OOM-killed; the default ``remoe train`` run stayed at 2.2 GB peak RSS, the same
+  as glibc's default.
 
 Only the command-line entry points call :func:`configure`; importing ``remoe`` never changes
 the process.
@@ -33,7 +33,7 @@ import sys
 
 from remoe.errors import ConfigError
 
-MODES = ("default", "retain", "tcmalloc")
+MODES = ("auto", "default", "retain", "tcmalloc")
 
 # glibc <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -80,17 +80,30 @@ def reexec_with_tcmalloc(command: str = "remoe") -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def configure(mode: str, command: str = "remoe") -> str:
+def resolve(mode: str, may_reexec: bool = True) -> str:
+    """The concrete mode ``mode`` stands for (``auto`` -> ``tcmalloc`` or ``default``)."""
+    check_mode(mode)
+    if mode != "auto":
+        return mode
+    if tcmalloc_loaded() or (may_reexec and tcmalloc_path() is not None):
+        return "tcmalloc"
+    return "default"
+
+
+def configure(mode: str, command: str = "remoe", may_reexec: bool = True) -> str:
     """Apply ``mode`` (one of :data:`MODES`) to this process; returns :func:`describe`.
 
     ``tcmalloc`` re-executes the command with the library preloaded unless it already is;
-    ``retain`` falls back to the default where glibc is absent."""
+    ``auto`` does so only when ``may_reexec`` (the command owns its process: not when a test or
+    notebook calls the CLI's ``main([...])``); ``retain`` falls back to the default where glibc
+    is absent."""
     check_mode(mode, command)
-    if mode == "tcmalloc" and not tcmalloc_loaded():
+    concrete = resolve(mode, may_reexec)
+    if concrete == "tcmalloc" and not tcmalloc_loaded():
         reexec_with_tcmalloc(command)
-    if mode == "retain":
+    if concrete == "retain":
         retain_freed_memory()
-    return describe(mode)
+    return describe(concrete)
 
 
 def check_mode(mode: str, command: str = "remoe") -> None:
@@ -104,17 +117,17 @@ def check_mode(mode: str, command: str = "remoe") -> None:
 
 
 def child_environment(mode: str) -> dict[str, str]:
-    """Environment variables a child process needs to start with ``mode`` (tcmalloc: LD_PRELOAD)."""
-    check_mode(mode)
-    if mode == "tcmalloc" and not tcmalloc_loaded():
+    """Environment variables a fresh child process needs to run ``mode`` (tcmalloc: LD_PRELOAD)."""
+    if resolve(mode) == "tcmalloc" and not tcmalloc_loaded():
         return {"LD_PRELOAD": tcmalloc_path()}
     return {}
 
 
 def describe(mode: str) -> str:
     """A one-line description of the allocator a process configured with ``mode`` runs."""
-    if tcmalloc_loaded() or mode == "tcmalloc":
+    concrete = resolve(mode)
+    if tcmalloc_loaded() or concrete == "tcmalloc":
         return f"tcmalloc ({os.environ.get('LD_PRELOAD') or tcmalloc_path()})"
-    if mode == "retain" and _glibc() is not None:
+    if concrete == "retain" and _glibc() is not None:
         return "glibc malloc, retain (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
     return "system malloc, default"

@@ -34,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON path (default: bench_results/<suite>[-quick].json)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--reps", type=int, default=None, help="timed rounds per measurement")
-    p.add_argument("--allocator", choices=MODES, default="retain",
-                   help="host allocator (remoe.allocator): retain (default: glibc keeps freed large "
-                        "blocks, so fresh gradients cost no page faults), default (untouched "
-                        "malloc), tcmalloc (re-run with libtcmalloc_minimal preloaded)")
+    p.add_argument("--allocator", choices=MODES, default="auto",
+                   help="host allocator of the measuring processes (remoe.allocator): auto "
+                        "(default: tcmalloc when installed, else the system malloc), default, "
+                        "tcmalloc, retain (glibc keeps freed large blocks)")
     g = p.add_argument_group("layer suite")
     g.add_argument("--tokens", type=int, default=4096, help="T (default 4096)")
     g.add_argument("--d-model", type=int, default=256)

@@ -23,10 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit (validates it)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
-    p.add_argument("--allocator", choices=MODES, default="retain",
-                   help="host allocator (remoe.allocator): retain (default: glibc keeps freed large "
-                        "blocks for the next step: no page faults on fresh gradients), default, "
-                        "tcmalloc (re-run with libtcmalloc_minimal preloaded)")
+    p.add_argument("--allocator", choices=MODES, default="auto",
+                   help="host allocator (remoe.allocator): auto (default: re-run with tcmalloc when "
+                        "libtcmalloc_minimal is installed: no page faults on fresh large gradients), "
+                        "default (system malloc), tcmalloc, retain (glibc keeps freed large blocks)")
 
 
 def _config_path(arg: str | None) -> Path | None:
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from remoe.allocator import configure as configure_allocator
     from remoe.train.trainer import Trainer, TrainingDiverged, format_summary
 
-    configure_allocator(args.allocator, "remoe train")
+    configure_allocator(args.allocator, "remoe train",
+                        may_reexec=getattr(args, "owns_process", False))
 
     trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
     try:
