@@ -13,6 +13,7 @@ torch / transformers versions, threads, allocator, load average), ``machine_ceil
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -159,10 +160,13 @@ def run(args: argparse.Namespace) -> int:
         reps = args.reps or (2 if args.quick else 5)
         rows_sel = tuple(args.rows) if args.rows else layer.ROWS
         rows = []
-        print(f"\nlayer suite: forward+backward, median of {reps} interleaved rounds")
-        for case in _cases(args):  # each case in a fresh process: no heap state carried over
-            rows += _in_child(args, layer.run_case, case, reps, peak, rows=rows_sel,
-                              memory=not args.no_memory, use_cpu=use_cpu)
+        print(f"\nlayer suite: forward+backward, median of {reps} calls after a warm-up, "
+              f"{'in-process' if args.quick else 'each row in a fresh process'}")
+        # every row in a fresh process (no allocator state carried over); --quick: in-process
+        runner = layer._direct if args.quick else functools.partial(_in_child, args)
+        for case in _cases(args):
+            rows += layer.run_case(case, reps, peak, rows=rows_sel, memory=not args.no_memory,
+                                   use_cpu=use_cpu, runner=runner)
         targets = layer.layer_targets(rows, metric)
         res["layer"] = {"rows": rows, "targets": targets}
         print()

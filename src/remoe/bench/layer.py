@@ -220,37 +220,53 @@ def _routing_stats(mod: MoELayer, x, ctx) -> dict:
             "idle_tokens": int((per_token == 0).sum())}
 
 
+def measure_row(case: LayerCase, row: str, reps: int, memory: bool = True,
+                slow_s: float = 20.0) -> dict:
+    """Time one row of one case (``reps`` calls after one warm-up; medians) and, unless it is
+    slower than ``slow_s``, measure its peak tensor memory. Returns samples + routing stats."""
+    x, ctx, mods = build_rows(case, (row,))
+    mod = mods[row]
+    fn = _step_fn(mod, x, ctx, torch.randn_like(x))
+    s = time_interleaved({row: fn}, reps=reps, warmup=1, slow_s=slow_s)[row]
+    out = s.as_dict()
+    out["wall_s"], out["cpu_s"] = s.wall, s.cpu
+    if isinstance(mod, MoELayer):
+        out.update(_routing_stats(mod, x, ctx))
+    out["peak_mem_mb"] = None
+    if memory and s.wall < slow_s:  # the profiler pass would repeat a minutes-long call
+        out["peak_mem_mb"] = peak_tensor_memory(fn) / 2**20
+    return out
+
+
+def _direct(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
 def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS,
              memory: bool = True, slow_s: float = 20.0, use_cpu: bool = False,
-             log=print) -> list[dict]:
-    """Time every row of one case interleaved; returns one dict per row.
+             log=print, runner=_direct) -> list[dict]:
+    """Measure every row of one case; returns one dict per row.
 
+    Each row is measured on its own by ``runner(measure_row, case, row, ...)``: in-process by
+    default; ``remoe bench`` passes a runner that uses a fresh process per row, because rows
+    that allocate gigabytes per step (the unfused path, transformers' blocks at G=64) leave the
+    allocator in a state that slowed the *dense* row 2x when all rows shared a process.
     ``mfu``: model FLOPs per second over ``ceiling_gflops``, per wall second or, with
     ``use_cpu``, per CPU second (then ``ceiling_gflops`` must be the per-CPU-second ceiling)."""
-    x, ctx, mods = build_rows(case, rows)
-    gy = torch.randn_like(x)
-    fns = {name: _step_fn(m, x, ctx, gy) for name, m in mods.items()}
-    samples = time_interleaved(fns, reps=reps, warmup=1, slow_s=slow_s)
+    measured = {name: runner(measure_row, case, name, reps, memory, slow_s) for name in rows}
     out = []
-    dense = samples.get("dense")
-    for name, m in mods.items():
-        s = samples[name]
-        row = {"case": case.name, **asdict(case), "row": name, **s.as_dict()}
-        if isinstance(m, MoELayer):
-            row.update(_routing_stats(m, x, ctx))
-            pairs = row["pairs"]
-        else:
-            pairs = case.T * case.k * case.G
+    dense = measured.get("dense")
+    for name, m in measured.items():
+        row = {"case": case.name, **asdict(case), "row": name,
+               **{k: v for k, v in m.items() if k not in ("wall_s", "cpu_s")}}
+        pairs = m["pairs"] if "pairs" in m else case.T * case.k * case.G
         flops = _flops_fwd_bwd(case, pairs, dense=name == "dense")
-        row["gflops"] = flops / s.wall / 1e9
-        row["gflops_per_cpu_s"] = flops / s.cpu / 1e9
+        row["gflops"] = flops / m["wall_s"] / 1e9
+        row["gflops_per_cpu_s"] = flops / m["cpu_s"] / 1e9
         rate = row["gflops_per_cpu_s"] if use_cpu else row["gflops"]
         row["mfu"] = rate / ceiling_gflops if ceiling_gflops else None
-        row["vs_dense"] = s.wall / dense.wall if dense else None
-        row["vs_dense_cpu"] = s.cpu / dense.cpu if dense else None
-        row["peak_mem_mb"] = None
-        if memory and s.wall < slow_s:  # the profiler pass would repeat a minutes-long call
-            row["peak_mem_mb"] = peak_tensor_memory(fns[name]) / 2**20
+        row["vs_dense"] = m["wall_s"] / dense["wall_s"] if dense else None
+        row["vs_dense_cpu"] = m["cpu_s"] / dense["cpu_s"] if dense else None
         out.append(row)
         log(f"  {case.name:>14} {name:>14}: {row['wall_ms']:9.1f} ms  x{row['vs_dense'] or 0:5.2f} dense"
             f"  | cpu {row['cpu_ms']:9.1f} ms  x{row['vs_dense_cpu'] or 0:5.2f}"
