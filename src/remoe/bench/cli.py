@@ -161,12 +161,14 @@ def run(args: argparse.Namespace) -> int:
         rows_sel = tuple(args.rows) if args.rows else layer.ROWS
         rows = []
         print(f"\nlayer suite: forward+backward, median of {reps} calls after a warm-up, "
-              f"{'in-process' if args.quick else 'each row in a fresh process'}")
-        # every row in a fresh process (no allocator state carried over); --quick: in-process
-        runner = layer._direct if args.quick else functools.partial(_in_child, args)
+              f"{'rows of a case in one fresh process' if args.quick else 'each row in a fresh process'}")
         for case in _cases(args):
-            rows += layer.run_case(case, reps, peak, rows=rows_sel, memory=not args.no_memory,
-                                   use_cpu=use_cpu, runner=runner)
+            kw = dict(rows=rows_sel, memory=not args.no_memory, use_cpu=use_cpu)
+            if args.quick:  # smoke run: fewer process start-ups
+                rows += _in_child(args, layer.run_case, case, reps, peak, **kw)
+            else:  # no allocator state carried from one row to the next
+                rows += layer.run_case(case, reps, peak, runner=functools.partial(_in_child, args),
+                                       **kw)
         targets = layer.layer_targets(rows, metric)
         res["layer"] = {"rows": rows, "targets": targets}
         print()

@@ -238,13 +238,13 @@ def measure_row(case: LayerCase, row: str, reps: int, memory: bool = True,
     return out
 
 
-def _direct(fn, *args, **kwargs):
+def run_here(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
 def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS,
              memory: bool = True, slow_s: float = 20.0, use_cpu: bool = False,
-             log=print, runner=_direct) -> list[dict]:
+             log=print, runner=run_here) -> list[dict]:
     """Measure every row of one case; returns one dict per row.
 
     Each row is measured on its own by ``runner(measure_row, case, row, ...)``: in-process by
