@@ -72,10 +72,16 @@ def retain_freed_memory() -> bool:
     return bool(ok)
 
 
+def _preload_value() -> str:
+    """``LD_PRELOAD`` with tcmalloc first, keeping whatever the user preloads already."""
+    rest = os.environ.get("LD_PRELOAD", "")
+    return f"{tcmalloc_path()}:{rest}" if rest else tcmalloc_path()
+
+
 def reexec_with_tcmalloc(command: str = "remoe") -> None:
     """Replace this process by the same command with tcmalloc preloaded (Linux only)."""
     check_mode("tcmalloc", command)
-    env = dict(os.environ, LD_PRELOAD=tcmalloc_path())
+    env = dict(os.environ, LD_PRELOAD=_preload_value())
     # orig_argv keeps the interpreter's own options (``python -m remoe.cli ...``)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
@@ -119,7 +125,7 @@ def check_mode(mode: str, command: str = "remoe") -> None:
 def child_environment(mode: str) -> dict[str, str]:
     """Environment variables a fresh child process needs to run ``mode`` (tcmalloc: LD_PRELOAD)."""
     if resolve(mode) == "tcmalloc" and not tcmalloc_loaded():
-        return {"LD_PRELOAD": tcmalloc_path()}
+        return {"LD_PRELOAD": _preload_value()}
     return {}
 
 

@@ -94,7 +94,7 @@ def _print_targets(targets: list[dict]) -> None:
 
 def _child_call(mode: str, threads: int, fn, args, kwargs):
     sys.stdout.reconfigure(line_buffering=True)  # progress lines as they happen
-    allocator.configure(mode, "remoe bench")
+    allocator.configure(mode, "remoe bench", may_reexec=False)  # the parent preloaded tcmalloc
     torch.set_num_threads(threads)
     return fn(*args, **kwargs)
 
