@@ -35,7 +35,8 @@ print(round(held - base), round(rss_mb() - base))
 
 
 def test_unknown_mode_is_one_clear_error():
-    with pytest.raises(ConfigError, match="allocator: unknown value 'jemalloc'; allowed: auto, default, retain, tcmalloc"):
+    expected = "allocator: unknown value 'jemalloc'; allowed: auto, default, retain, tcmalloc"
+    with pytest.raises(ConfigError, match=expected):
         allocator.configure("jemalloc")
 
 
@@ -73,4 +74,5 @@ def test_auto_restarts_the_command_with_tcmalloc_preloaded():
                          check=True).stdout.splitlines()
     assert out[0].startswith("tcmalloc") and out[1].split(":")[0] == allocator.tcmalloc_path()
     if not allocator.tcmalloc_loaded():
-        assert allocator.child_environment("auto")["LD_PRELOAD"].split(":")[0] == allocator.tcmalloc_path()
+        preload = allocator.child_environment("auto")["LD_PRELOAD"]
+        assert preload.split(":")[0] == allocator.tcmalloc_path()

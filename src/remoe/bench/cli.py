@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
         reps = args.reps or (2 if args.quick else 5)
         rows_sel = tuple(args.rows) if args.rows else layer.ROWS
         rows = []
-        print(f"\nlayer suite: forward+backward, median of {reps} calls after a warm-up, "
-              f"{'rows of a case in one fresh process' if args.quick else 'each row in a fresh process'}")
+        where = "rows of a case in one fresh process" if args.quick else "each row in a fresh process"
+        print(f"\nlayer suite: forward+backward, median of {reps} calls after a warm-up, {where}")
         for case in _cases(args):
             kw = dict(rows=rows_sel, memory=not args.no_memory, use_cpu=use_cpu)
             if args.quick:  # smoke run: fewer process start-ups

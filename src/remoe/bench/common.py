@@ -4,8 +4,9 @@ Timing: :func:`time_interleaved` measures alternatives *interleaved in one proce
 each per round, the order rotated every round), repeated, and summarised by their median, so
 that a slow period of a shared machine hits every alternative alike (the model suite). The
 layer suite calls it with one alternative per process instead (see ``remoe.bench.layer``):
-rows that allocate gigabytes per step perturbed the others when they shared a process. Wall time is the figure of merit; process CPU time
-(all threads) is kept alongside because it is less sensitive to other processes.
+rows that allocate gigabytes per step perturbed the others when they shared a process. Wall
+time is the figure of merit; process CPU time (all threads) is kept alongside because it is
+less sensitive to other processes.
 
 Peak memory: ``torch.profiler.profile(profile_memory=True)`` records every CPU tensor allocation
 and free with its size; the running sum of those events over one step, maximised, is the peak of
