@@ -152,6 +152,27 @@ def _pick_position(rng: random.Random, docs: list[_Doc], cands: list[list[int]])
     return i, rng.choice(cands[i])
 
 
+def _sample(rng: random.Random, pools: Mapping[str, tuple[list[_Doc], list[list[int]]]],
+            domains: list[str], n: int, make, attempts: int = 50) -> list[dict[str, Any]]:
+    """``n`` examples round-robin over ``domains``: each draws up to ``attempts`` unseen
+    (document, position) pairs until ``make(dom, docs, i, j)`` returns the example's fields
+    (``None``: rejected). Examples get ``id``, ``domain`` and ``doc`` in front."""
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, int, int]] = set()
+    for dom in _round_robin(domains, n if domains else 0):
+        ds, cands = pools[dom]
+        for _ in range(attempts):
+            i, j = _pick_position(rng, ds, cands)
+            if (dom, i, j) in seen:
+                continue
+            fields = make(dom, ds, i, j)
+            if fields is not None:
+                seen.add((dom, i, j))
+                out.append({"id": len(out), "domain": dom, "doc": ds[i].key, **fields})
+                break
+    return out
+
+
 def _target(d: _Doc, k: int) -> str | None:
     """The LAMBADA target of word ``k`` (its letters, trailing punctuation dropped), if any."""
     m = _TARGET.fullmatch(d.text, *d.spans[k])
@@ -172,25 +193,16 @@ def build_lambada(docs: Mapping[str, Sequence[tuple[str, str]]],
             pools[dom] = (ds, cands)
         else:
             log.warning("%s: domain %r has no usable passage; skipped", LAMBADA, dom)
-    out: list[dict[str, Any]] = []
-    seen: set[tuple[str, int, int]] = set()
-    for dom in _round_robin(sorted(pools), cfg.num_examples if pools else 0):
-        ds, cands = pools[dom]
-        for _ in range(200):  # rejection sampling: the target must occur in the passage
-            i, j = _pick_position(rng, ds, cands)
-            if (dom, i, j) in seen:
-                continue
-            d = ds[i]
-            a = max(0, j - cfg.context_words)
-            target = _target(d, j)
-            context = d.slice(a, j)
-            if target not in _ALPHA.findall(context):
-                continue
-            seen.add((dom, i, j))
-            out.append({"id": len(out), "domain": dom, "doc": d.key, "context": context,
-                        "target": " " + target})
-            break
-    return out
+
+    def make(dom, ds, i, j):
+        d = ds[i]
+        target = _target(d, j)
+        context = d.slice(max(0, j - cfg.context_words), j)
+        if target not in _ALPHA.findall(context):  # the target must occur in the passage
+            return None
+        return {"context": context, "target": " " + target}
+
+    return _sample(rng, pools, sorted(pools), cfg.num_examples, make, attempts=200)
 
 
 def _endings_pools(docs: Mapping[str, Sequence[tuple[str, str]]], cfg: BuiltinTaskConfig,
@@ -231,32 +243,21 @@ def build_hellaswag(docs: Mapping[str, Sequence[tuple[str, str]]],
         log.warning("%s: domain %r has a single held-out document (distractors come from other "
                     "documents of the domain); skipped", HELLASWAG, dom)
         del pools[dom]
-    out: list[dict[str, Any]] = []
-    seen: set[tuple[str, int, int]] = set()
-    for dom in _round_robin(sorted(pools), cfg.num_examples if pools else 0):
-        ds, cuts = pools[dom]
-        for _ in range(50):
-            i, j = _pick_position(rng, ds, cuts)
-            if (dom, i, j) in seen:
-                continue
-            d = ds[i]
-            true = d.slice(j, j + cfg.ending_words)
-            endings = [true]
-            while len(endings) < cfg.num_choices:
-                e = _distractor(rng, ds, i, cfg.ending_words, set(endings))
-                if e is None:
-                    break
-                endings.append(e)
-            if len(endings) < cfg.num_choices:
-                continue
-            seen.add((dom, i, j))
-            label = rng.randrange(cfg.num_choices)
-            endings[0], endings[label] = endings[label], endings[0]
-            out.append({"id": len(out), "domain": dom, "doc": d.key,
-                        "context": d.slice(max(0, j - cfg.context_words), j),
-                        "endings": endings, "label": label})
-            break
-    return out
+
+    def make(dom, ds, i, j):
+        d = ds[i]
+        endings = [d.slice(j, j + cfg.ending_words)]
+        while len(endings) < cfg.num_choices:
+            e = _distractor(rng, ds, i, cfg.ending_words, set(endings))
+            if e is None:
+                return None
+            endings.append(e)
+        label = rng.randrange(cfg.num_choices)
+        endings[0], endings[label] = endings[label], endings[0]
+        return {"context": d.slice(max(0, j - cfg.context_words), j), "endings": endings,
+                "label": label}
+
+    return _sample(rng, pools, sorted(pools), cfg.num_examples, make)
 
 
 def build_domain_choice(docs: Mapping[str, Sequence[tuple[str, str]]],
@@ -269,33 +270,25 @@ def build_domain_choice(docs: Mapping[str, Sequence[tuple[str, str]]],
     if len(doms) < 2:
         log.warning("%s needs at least two domains with held-out documents; skipped", DOMAIN)
         return []
-    out: list[dict[str, Any]] = []
-    seen: set[tuple[str, int, int]] = set()
-    for dom in _round_robin(doms, cfg.num_examples):
-        ds, cuts = pools[dom]
-        for _ in range(50):
-            i, j = _pick_position(rng, ds, cuts)
-            if (dom, i, j) in seen:
-                continue
-            d = ds[i]
-            endings, ok = [], True
-            order = doms[:]
-            rng.shuffle(order)
-            for other in order:
-                if other == dom:
-                    endings.append(d.slice(j, j + cfg.ending_words))
-                else:
-                    e = _distractor(rng, pools[other][0], None, cfg.ending_words, set(endings))
-                    ok = ok and e is not None
-                    endings.append(e)
-            if not ok:
-                continue
-            seen.add((dom, i, j))
-            out.append({"id": len(out), "domain": dom, "doc": d.key,
-                        "context": d.slice(max(0, j - cfg.context_words), j),
-                        "endings": endings, "label": order.index(dom), "choice_domains": order})
-            break
-    return out
+
+    def make(dom, ds, i, j):
+        d = ds[i]
+        endings, ok = [], True
+        order = doms[:]
+        rng.shuffle(order)
+        for other in order:
+            if other == dom:
+                endings.append(d.slice(j, j + cfg.ending_words))
+            else:
+                e = _distractor(rng, pools[other][0], None, cfg.ending_words, set(endings))
+                ok = ok and e is not None
+                endings.append(e)
+        if not ok:
+            return None
+        return {"context": d.slice(max(0, j - cfg.context_words), j), "endings": endings,
+                "label": order.index(dom), "choice_domains": order}
+
+    return _sample(rng, pools, doms, cfg.num_examples, make)
 
 
 BUILDERS = {LAMBADA: build_lambada, HELLASWAG: build_hellaswag, DOMAIN: build_domain_choice}
