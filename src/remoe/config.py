@@ -29,6 +29,8 @@ ROUTERS = (
 )
 DENSE_ROUTERS = ("dense", "dense_wide")
 REG_TYPES = ("lb", "l1")
+SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
+LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
 EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 
@@ -81,6 +83,15 @@ class ReMoEConfig(PretrainedConfig):
         reg_type: str = "lb",
         lambda0: float = 1e-8,
         alpha: float = 1.2,
+        sparsity_control: str = "global",
+        lambda_update: str = "sign",
+        lambda_pi_kp: float = 1.0,
+        lambda_pi_ki: float = 0.25,
+        revive_after: int = 0,
+        revive_coeff: float = 1e-2,
+        max_active: int = 0,
+        gate_threshold: float = 0.0,
+        topk_normalize: bool = False,
         lb_coeff: float = 0.01,
         capacity_factor: float = 1.0,
         lory_segment_len: int = 256,
@@ -115,6 +126,15 @@ class ReMoEConfig(PretrainedConfig):
         self.reg_type = reg_type
         self.lambda0 = lambda0
         self.alpha = alpha
+        self.sparsity_control = sparsity_control
+        self.lambda_update = lambda_update
+        self.lambda_pi_kp = lambda_pi_kp
+        self.lambda_pi_ki = lambda_pi_ki
+        self.revive_after = revive_after
+        self.revive_coeff = revive_coeff
+        self.max_active = max_active
+        self.gate_threshold = gate_threshold
+        self.topk_normalize = topk_normalize
         self.lb_coeff = lb_coeff
         self.capacity_factor = capacity_factor
         self.lory_segment_len = lory_segment_len
@@ -175,7 +195,9 @@ class ReMoEConfig(PretrainedConfig):
         return MoEConfig(
             d_model=self.hidden_size, d_ffn=self.ffn_hidden_size, num_experts=self.num_experts,
             top_k=self.moe_top_k, granularity=self.granularity, router=self.router,
-            reg_type=self.reg_type, lb_coeff=self.lb_coeff, capacity_factor=self.capacity_factor,
+            reg_type=self.reg_type, lb_coeff=self.lb_coeff, revive_coeff=self.revive_coeff,
+            max_active=self.max_active, gate_threshold=self.gate_threshold,
+            topk_normalize=self.topk_normalize, capacity_factor=self.capacity_factor,
             lory_segment_len=self.lory_segment_len, lory_first_segment=self.lory_first_segment,
             warmup_k=self.warmup_k,
             warmup_steps=self.warmup_steps, sparsemixer_jitter=self.sparsemixer_jitter,
@@ -230,6 +252,21 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
     _need(_real(c.alpha) and c.alpha > 1.0, f"{p}alpha={c.alpha!r} must be a finite number > 1")
     _need(_real(c.lambda0) and c.lambda0 > 0,
           f"{p}lambda0={c.lambda0!r} must be a positive finite number")
+    _need(getattr(c, "sparsity_control", "global") in SPARSITY_CONTROLS,
+          f"{p}sparsity_control={getattr(c, 'sparsity_control', None)!r} must be one of "
+          f"{', '.join(SPARSITY_CONTROLS)}")
+    _need(getattr(c, "lambda_update", "sign") in LAMBDA_UPDATES,
+          f"{p}lambda_update={getattr(c, 'lambda_update', None)!r} must be one of "
+          f"{', '.join(LAMBDA_UPDATES)}")
+    for name in ("lambda_pi_kp", "lambda_pi_ki", "revive_coeff", "gate_threshold"):
+        v = getattr(c, name, 0.0)
+        _need(_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
+    for name in ("revive_after", "max_active"):
+        v = getattr(c, name, 0)
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              f"{p}{name}={v!r} must be an integer >= 0 (0: off)")
+    _need(isinstance(getattr(c, "topk_normalize", False), bool),
+          f"{p}topk_normalize={getattr(c, 'topk_normalize', None)!r} must be true or false")
     _need(_real(c.lb_coeff) and c.lb_coeff >= 0, f"{p}lb_coeff={c.lb_coeff!r} must be >= 0")
     _need(_real(c.capacity_factor) and c.capacity_factor > 0,
           f"{p}capacity_factor={c.capacity_factor!r} must be > 0")

@@ -34,6 +34,10 @@ class MoEConfig:
     router: str = "relu"
     reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
     lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
+    revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge (when asked for)
+    max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
+    gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
+    topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
     capacity_factor: float = 1.0  # expert choice
     lory_segment_len: int = 256
     lory_first_segment: str = "uniform"  # "uniform" (causal) | "self" (Lory's Algorithm 1)
