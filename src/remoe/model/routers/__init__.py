@@ -16,12 +16,17 @@ def build_router(cfg) -> Router:
     density = cfg.top_k / cfg.num_experts
     std = cfg.init_std
     if cfg.router == "relu":
-        return ReLURouter(D, N, density, load_balance=cfg.reg_type == "lb", init_std=std)
+        return ReLURouter(D, N, density, load_balance=cfg.reg_type == "lb", init_std=std,
+                          max_active=getattr(cfg, "max_active", 0),
+                          gate_threshold=getattr(cfg, "gate_threshold", 0.0),
+                          revive_coeff=getattr(cfg, "revive_coeff", 1e-2))
     if cfg.router == "topk":
-        return TopKRouter(D, N, cfg.top_k * G, cfg.lb_coeff, init_std=std)
+        return TopKRouter(D, N, cfg.top_k * G, cfg.lb_coeff, init_std=std,
+                          normalize=cfg.topk_normalize)
     if cfg.router == "topk_warmup":
         return TopKRouter(D, N, cfg.top_k * G, cfg.lb_coeff, warmup_k=cfg.warmup_k * G,
-                          warmup_steps=cfg.warmup_steps, init_std=std)
+                          warmup_steps=cfg.warmup_steps, init_std=std,
+                          normalize=cfg.topk_normalize)
     if cfg.router == "hash":
         from remoe.model.routers.hash import HashRouter
 

@@ -3,6 +3,12 @@
 Legend: T tokens, D model width, N experts (E*G), K active experts per token.
 Includes the near-dense warm-up variant of the paper's Appendix F (``warmup_k`` active experts
 for the first ``warmup_steps`` optimizer steps, then ``k``).
+
+Gates: by default the kept softmax probabilities themselves (paper eq. 2: they sum to less than
+1 per token, ~K/N at initialisation). ``normalize=True`` (``model.topk_normalize``) divides them
+by their sum over the kept experts, so every token's gates sum to 1 -- the renormalised TopK
+of Mixtral and of Megatron-Core's default router. The mask, the load-balancing loss (computed
+on the full softmax) and the experts are the same either way.
 """
 
 from __future__ import annotations
@@ -33,15 +39,18 @@ def topk_mask(scores_TN: Tensor, k: int) -> Tensor:
 
 
 class TopKRouter(Router):
-    """Softmax over N experts, keep the K largest (gates are the un-renormalised probabilities)."""
+    """Softmax over N experts, keep the K largest; gates are the kept probabilities, optionally
+    renormalised to sum to 1 per token (``normalize``)."""
 
     def __init__(self, d_model: int, num_experts: int, k: int, lb_coeff: float = 0.01,
-                 warmup_k: int | None = None, warmup_steps: int = 0, init_std: float = 0.02) -> None:
+                 warmup_k: int | None = None, warmup_steps: int = 0, init_std: float = 0.02,
+                 normalize: bool = False) -> None:
         super().__init__(d_model, num_experts, init_std)
         self.k = k
         self.lb_coeff = lb_coeff
         self.warmup_k = warmup_k
         self.warmup_steps = warmup_steps
+        self.normalize = normalize
 
     def active_k(self, step: int | None) -> int:
         """k in force at an optimizer step (``None`` = inference = after warm-up)."""
@@ -53,5 +62,7 @@ class TopKRouter(Router):
         probs_TN = torch.softmax(self.logits(x_TD), dim=-1)
         mask_TN = topk_mask(probs_TN, self.active_k(ctx.step))
         gates_TN = probs_TN * mask_TN
+        if self.normalize:  # every token's kept probabilities sum to 1 (Mixtral / Megatron)
+            gates_TN = gates_TN / gates_TN.sum(dim=-1, keepdim=True)
         aux = self.lb_coeff * switch_load_balancing_loss(probs_TN, mask_TN) if self.lb_coeff else zero(x_TD)
         return Routing(gates_TN, mask_TN, zero(x_TD), aux)
