@@ -1,75 +1,190 @@
-"""Checkpoints: atomic writes, keep-last-N, and loading a model from any run/checkpoint/HF dir.
+"""Checkpoints: verified atomic writes, keep-last-N, resume selection, and loading a model from
+any run/checkpoint/HF dir.
 
 A checkpoint directory is a Hugging Face ``save_pretrained`` directory (``model.safetensors`` +
-``config.json``) plus ``tokenizer.json`` and ``trainer_state.pt`` (optimizer, scheduler, lambda
-controller, RNG states, data position). It is written into a temporary sibling directory and
-renamed into place, then ``LATEST`` is replaced atomically: an interrupted write never leaves a
-half checkpoint that ``--resume`` would pick up.
+``config.json``) plus ``tokenizer.json``, ``trainer_state.pt`` (optimizer, scheduler, lambda
+controller, RNG states, data position) and ``checksums.json`` (size and sha256 of every file,
+written last). It is written into a temporary sibling directory and renamed into place, then
+``LATEST`` is replaced atomically: an interrupted write never leaves a half checkpoint under a
+checkpoint's name, and ``--resume`` takes the newest checkpoint whose files verify
+(:func:`find_resume_checkpoint`). The run-directory mechanics live in :mod:`remoe.rundir`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from remoe import rundir
 from remoe.errors import ConfigError
 
-LATEST = "LATEST"
-STATE_FILE = "trainer_state.pt"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+LATEST = rundir.LATEST
+STATE_FILE = rundir.STATE_FILE
+atomic_write_text = rundir.atomic_write_text
+# model fields that change how the model is computed, not what it is: a resume may change them
+RUNTIME_MODEL_FIELDS = ("expert_backend", "recompute_experts")
 
 
 def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None,
                     state: dict[str, Any] | None = None) -> Path:
-    """Write an HF model directory (+ tokenizer.json, + trainer state) atomically to ``final``."""
-    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+    """Write an HF model directory (+ tokenizer.json, + trainer state, + checksums.json)
+    atomically to ``final``; a failure (a full disk included) leaves nothing half-written."""
+    tmp = rundir.temp_path(final)
     if tmp.exists():
         shutil.rmtree(tmp)
-    unwrap(model).save_pretrained(tmp, safe_serialization=True)
-    if tokenizer_path:
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-    if state is not None:
-        torch.save(state, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with rundir.writing(final, cleanup=tmp):
+        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        if tokenizer_path:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        if state is not None:
+            torch.save(state, tmp / STATE_FILE)
+        rundir.write_manifest(tmp)
+        rundir.replace_dir(tmp, final)
     return final
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
                     tokenizer_path: str | None, keep_last: int) -> Path:
     """Write ``ckpt_root/step_<step>`` atomically, point LATEST at it, prune old ones."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    with rundir.writing(ckpt_root):
+        ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
     final = write_model_dir(ckpt_root / name, model, tokenizer_path, state)
     atomic_write_text(ckpt_root / LATEST, name)
     if keep_last > 0:
-        done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in rundir.checkpoint_dirs(ckpt_root)[keep_last:]:
+            rundir.remove_dir(old)
     return final
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    marker = ckpt_root / LATEST
-    if not marker.exists():
-        return None
-    path = ckpt_root / marker.read_text().strip()
-    return path if (path / STATE_FILE).exists() else None
+    """The checkpoint LATEST names, else the newest one holding a trainer state (no hashing:
+    for reading a model; ``--resume`` uses :func:`find_resume_checkpoint`)."""
+    name, problem = rundir.read_latest(ckpt_root)
+    if problem is None and (ckpt_root / name / STATE_FILE).exists():
+        return ckpt_root / name
+    for ckpt in rundir.checkpoint_dirs(ckpt_root):
+        if (ckpt / STATE_FILE).exists():
+            return ckpt
+    return None
+
+
+def find_resume_checkpoint(ckpt_root: Path, report: bool = True
+                           ) -> tuple[Path | None, dict[str, Any] | None]:
+    """The newest checkpoint that verifies and its trainer state, or ``(None, None)``.
+
+    With ``report`` (the writing process): says which newer checkpoints were skipped and why,
+    renames them to ``damaged-step_*`` and points LATEST at the chosen one.
+    """
+    ckpt, state, skipped = rundir.find_resumable(ckpt_root, rundir.say if report else None)
+    if report and ckpt is not None:
+        for bad, _ in skipped:
+            rundir.say(f"--resume: moved {bad.name} to checkpoints/{rundir.set_aside(bad).name}")
+        if rundir.read_latest(ckpt_root) != (ckpt.name, None):
+            atomic_write_text(ckpt_root / LATEST, ckpt.name)
+    if ckpt is None and skipped:
+        why = "; ".join(f"{p.name}: {r}" for p, r in skipped[:3])
+        raise ConfigError(f"--resume: no checkpoint under {ckpt_root} verifies ({why}); start "
+                          "over with --overwrite")
+    return ckpt, state
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+    return rundir.load_state(ckpt)
 
+
+# ----------------------------------------------------------------------------- config changes
+
+def _model_fields(section: dict[str, Any]) -> dict[str, Any]:
+    """A config's model section resolved: ReMoEConfig defaults < preset < explicit fields."""
+    from remoe.config import PRESETS, ReMoEConfig
+
+    fields = dict(section or {})
+    preset = fields.pop("preset", None)
+    defaults = {n: p.default for n, p in inspect.signature(ReMoEConfig.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **(PRESETS.get(preset, {}) if preset else {}), **fields}
+
+
+def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {f"{prefix}{k}": v for k, v in (d or {}).items()}
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's saved config.yaml as a dict (None when missing or unreadable)."""
+    try:
+        old = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return old if isinstance(old, dict) else None
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]
+                   ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """``(refused, warned)`` differences ``(field, new, old)`` between two config dicts: any
+    model field but the runtime ones is refused; train/data/analysis fields and run.seed warn."""
+    a, b = _model_fields(old.get("model")), _model_fields(new.get("model"))
+    refused, warned = [], []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            (warned if k in RUNTIME_MODEL_FIELDS else refused).append((f"model.{k}", b.get(k),
+                                                                       a.get(k)))
+    flat_old, flat_new = {}, {}
+    for section in ("train", "data", "analysis"):
+        flat_old.update(_flat(old.get(section) or {}, f"{section}."))
+        flat_new.update(_flat(new.get(section) or {}, f"{section}."))
+    flat_old["run.seed"] = (old.get("run") or {}).get("seed")
+    flat_new["run.seed"] = (new.get("run") or {}).get("seed")
+    for k in sorted(set(flat_old) | set(flat_new)):
+        if flat_old.get(k) != flat_new.get(k):
+            warned.append((k, flat_new.get(k), flat_old.get(k)))
+    return refused, warned
+
+
+def check_resume_model(run_dir: Path, new: dict[str, Any]) -> None:
+    """Refuse (one line naming the field) a resume that changes the model."""
+    old = read_run_config(run_dir)
+    if old is None:
+        return
+    refused, _ = config_changes(old, new)
+    if refused:
+        k, v, was = refused[0]
+        more = f" (and {len(refused) - 1} more model field(s))" if len(refused) > 1 else ""
+        raise ConfigError(f"--resume: {k}={v} differs from the run's {was}{more}; start a new "
+                          "run or use --overwrite")
+
+
+def check_resume_config(run_dir: Path, new: dict[str, Any], new_yaml: str, step: int) -> None:
+    """Before a resume from ``step``: refuse model changes, warn (one line per field) about the
+    others and keep the run's old config.yaml as ``config.yaml.prev-<step>`` when it changes."""
+    path = run_dir / "config.yaml"
+    old = read_run_config(run_dir)
+    if old is None:
+        rundir.warn(f"--resume: {path} is missing or unreadable; nothing to compare the config "
+                    "with")
+        return
+    check_resume_model(run_dir, new)
+    _, warned = config_changes(old, new)
+    for k, v, was in warned:
+        rundir.warn(f"--resume: {k}={v} differs from the run's {was} (continuing with {v})")
+    old_text = path.read_text(encoding="utf-8")
+    if old_text != new_yaml:
+        keep = path.with_name(f"config.yaml.prev-{step}")
+        n = 1
+        while keep.exists() and keep.read_text(encoding="utf-8") != old_text:
+            n += 1
+            keep = path.with_name(f"config.yaml.prev-{step}-{n}")
+        atomic_write_text(keep, old_text)
+        rundir.say(f"--resume: the run's previous config.yaml is kept as {keep.name}")
+
+
+# ----------------------------------------------------------------------------- loading models
 
 def unwrap(model):
     """The ReMoEForCausalLM inside a DDP wrapper."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from remoe import rundir
 from remoe.allocator import MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny_remoe.yaml"
@@ -20,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a field, e.g. --set model.num_experts=16 (repeatable)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its latest checkpoint (bit-exact on CPU)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a run: its old contents are "
+                        "moved to <run dir>.old-<time> (nothing is deleted)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit (validates it)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
@@ -36,6 +41,38 @@ def _config_path(arg: str | None) -> Path | None:
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
+def _prepare_run_dir(cfg, args: argparse.Namespace) -> None:
+    """The run-directory checks that need no data: another writer, a fresh run into an old
+    one (or --overwrite: archive it), a resume that changes the model. The trainer repeats the
+    authoritative ones under the lock."""
+    from remoe.errors import ConfigError
+
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite and --resume exclude each other (--overwrite starts the "
+                          "run over, --resume continues it)")
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 owns the run directory
+        return
+    run_dir = cfg.run_dir
+    rundir.check_not_locked(run_dir)
+    if args.overwrite:
+        if not rundir.contents(run_dir):
+            return
+        lock = rundir.RunLock.acquire(run_dir)
+        try:
+            moved = rundir.archive_contents(run_dir)
+        finally:
+            lock.release()
+        if moved is not None:
+            print(f"remoe train: --overwrite: moved the old contents of {run_dir} to {moved}",
+                  file=sys.stderr)
+    elif args.resume:
+        from remoe.train.checkpoint import check_resume_model
+
+        check_resume_model(run_dir, cfg.to_dict())
+    else:
+        rundir.require_fresh(run_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from remoe.train.config import load_config
 
@@ -43,18 +80,28 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    _prepare_run_dir(cfg, args)  # before any data or model work
     from remoe.allocator import configure as configure_allocator
     from remoe.train.trainer import Trainer, TrainingDiverged, format_summary
 
     configure_allocator(args.allocator, "remoe train",
                         may_reexec=getattr(args, "owns_process", False))
 
-    trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
     try:
-        summary = trainer.train()
+        trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.close()
     except TrainingDiverged as e:
         print(f"remoe train: error: {e}", file=sys.stderr)
         return 3
+    except OSError as e:  # a write the run-directory code does not wrap (e.g. routing masks)
+        if not rundir.is_disk_full(e):
+            raise
+        print(f"remoe train: error: disk full while writing {e.filename or cfg.run_dir}",
+              file=sys.stderr)
+        return 2
     if trainer.dist.is_main:
         print(format_summary(summary))
         if summary.get("settling_step") is None and summary.get("target_sparsity"):

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.sparsity import LambdaController
@@ -123,24 +124,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class MetricsWriter:
-    """Append-only JSONL, one line per record, flushed; truncated to ``step`` on resume."""
+    """Append-only JSONL, one whole line per record (NaN/inf written as null).
+
+    On resume, the lines of steps <= ``resume_step`` are kept; a line that does not parse (torn
+    by a kill during a write) is dropped with a warning. ``last`` is the last record kept.
+    """
 
     def __init__(self, path: Path, resume_step: int | None) -> None:
         self.path = path
+        self.last: dict[str, Any] | None = None
         if resume_step is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            ckpt_io.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+            lines, bad = rundir.read_jsonl(path)
+            if bad:
+                rundir.warn(f"dropped {len(bad)} unreadable line(s) of {path} (line "
+                            f"{', '.join(map(str, bad[:5]))}; torn by an interrupted write)")
+            keep = [(ln, rec) for ln, rec in lines if rec.get("step", 0) <= resume_step]
+            rundir.atomic_write_text(path, "".join(ln + "\n" for ln, _ in keep))
+            self.last = keep[-1][1] if keep else None
         elif resume_step is None and path.exists():
             path.unlink()
-        self.fh = path.open("a")
+        self.out = rundir.JsonlAppender(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
+        self.out.write(record)
+        self.last = record
 
     def close(self) -> None:
-        self.fh.close()
+        self.out.close()
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -207,15 +217,38 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
 
         self.ckpt_root = self.run_dir / "checkpoints"
-        resume_from = ckpt_io.latest_checkpoint(self.ckpt_root) if resume else None
+        # the run directory defends itself (remoe.rundir): one writer, no leftovers of
+        # interrupted writes, no fresh run over an old one, only verified checkpoints resumed
+        self.lock: rundir.RunLock | None = None
+        resume_from, state = None, None
+        if self.dist.is_main:
+            self.lock = rundir.RunLock.acquire(self.run_dir)
+            rundir.remove_interrupted_writes(self.run_dir)
+            if resume:
+                resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root)
+                if resume_from is not None:
+                    ckpt_io.check_resume_config(self.run_dir, cfg.to_dict(), cfg.to_yaml(),
+                                                int(state["step"]))
+            else:
+                rundir.require_fresh(self.run_dir)
+        self._barrier()
+        if resume and not self.dist.is_main:
+            resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root, report=False)
         if resume and resume_from is None:
             raise ConfigError(f"--resume: no checkpoint found under {self.ckpt_root}")
+        self._saved_step = None  # the step of the newest checkpoint on disk
         if resume_from is not None:
-            self._load(resume_from)
+            self._load(resume_from, state)
+            self._saved_step = self.step
+            # a finished run's (or a run stopped after its last checkpoint) validation of
+            # this step is on disk: finishing again must not repeat it
+            evals, _ = (rundir.read_jsonl(self.run_dir / "eval.jsonl")
+                        if (self.run_dir / "eval.jsonl").exists() else ([], []))
+            done = [rec for _, rec in evals if rec.get("step") == self.step]
+            self.last_eval = done[-1] if done else None
         self.wrapped = self._wrap_model()
         self.calib = self._calibration_set()
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
             rs = self.step if resume_from is not None else None
             self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
@@ -312,16 +345,22 @@ class Trainer:
             "data": {"seed": self.cfg.run.seed, "next_step": self.step},
         }
 
-    def _load(self, ckpt: Path) -> None:
+    def _load(self, ckpt: Path, state: dict[str, Any] | None = None) -> None:
         from safetensors.torch import load_file
 
-        state = ckpt_io.load_trainer_state(ckpt)
+        if state is None:
+            state = ckpt_io.load_trainer_state(ckpt)
         weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
         optimizer_state = state["optimizer"]
         if self.ep is not None:  # checkpoints hold every expert: keep this rank's slices
             weights = self.ep.shard_state_dict(weights)
             optimizer_state = self.ep.shard_optimizer_state(optimizer_state, self.optimizer)
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        try:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        except RuntimeError as e:  # size mismatch: the model config changed
+            first = str(e).strip().splitlines()[1:2] or [str(e)[:200]]
+            raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
+                              f"({first[0].strip()})") from None
         if unexpected or [m for m in missing if m in dict(self.model.named_parameters())]:
             raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
                               f"(missing={missing[:3]}, unexpected={unexpected[:3]})")
@@ -355,6 +394,7 @@ class Trainer:
                                                self._state(optim),
                                                getattr(self.data, "tokenizer_path", None),
                                                self.cfg.train.keep_last)
+        self._saved_step = self.step
         self._barrier()
         return path
 
@@ -541,9 +581,12 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        # finishing is idempotent: a resumed finished run (or one stopped after its last
+        # checkpoint) neither validates nor checkpoints the same step twice
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.evaluate()
-        self.save()
+        if self._saved_step != self.step:
+            self.save()
         summary = self._finish(reason, last_rec)
         return summary
 
@@ -568,6 +611,10 @@ class Trainer:
 
     def _finish_full(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
         final_dir = self.run_dir / "final"
+        if last is None:  # the loop ran no step (resume of a finished run): the logged last step
+            path = self.run_dir / "metrics.jsonl"
+            logged = [rec for _, rec in (rundir.read_jsonl(path)[0] if path.exists() else [])]
+            last = logged[-1] if logged and logged[-1].get("step") == self.step else None
         stages = self._stages()
         summary: dict[str, Any] = {
             "run_dir": str(self.run_dir), "stop_reason": reason, "steps": self.step,
@@ -589,13 +636,21 @@ class Trainer:
         if self.dist.is_main:
             ckpt_io.write_model_dir(final_dir, self.model,
                                     getattr(self.data, "tokenizer_path", None))
-            ckpt_io.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            ckpt_io.atomic_write_text(self.run_dir / "summary.json",
+                                      rundir.dumps_json(summary, indent=2))
             self.metrics.close()
             self.evals.close()
             if self.tb:
                 self.tb.close()
+            self.close()
         self._barrier()
         return summary
+
+    def close(self) -> None:
+        """Release the run directory (its lock); also done at the end of :meth:`train`."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def _round_robin(total: int, per_group: int) -> torch.Tensor:
