@@ -8,11 +8,12 @@ import math
 from remoe.bench import cli
 
 
-def test_quick_all_suites_write_expected_json(tmp_path, capsys):
+def test_quick_all_suites_write_expected_json(tmp_path, capfd):
     out = tmp_path / "quick.json"
     assert cli.main(["--suite", "all", "--quick", "--threads", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["schema"] == "remoe-bench/1" and res["quick"] is True
+    assert "smoke run" in res["note"]
     m = res["machine"]
     for key in ("cpu_model", "cores_logical", "torch", "threads", "transformers", "allocator"):
         assert key in m
@@ -43,4 +44,29 @@ def test_quick_all_suites_write_expected_json(tmp_path, capsys):
     assert mod["stages"]["steps_run"] >= 1 and len(mod["stages"]["steps"]) == mod["stages"]["steps_run"]
     assert {m["recompute_experts"] for m in mod["memory"]} == {False, True}
     assert res["elapsed_s"] > 0
-    assert "wrote" in capsys.readouterr().out
+    # a smoke run judges no target, names the preset it measured, and prints no profiler noise
+    for t in res["layer"]["targets"] + mod["targets"]:
+        assert t["met"] is None and t["judged"] is False and t["value"] is not None
+    assert mod["preset"] == "micro"
+    assert all("micro model" in t["target"] for t in mod["targets"][:2])
+    out, err = capfd.readouterr()
+    assert "wrote" in out and "smoke run" in out
+    assert "MISSED" not in out and "[   met]" not in out and "tiny model" not in out
+    assert "USDT" not in out + err and "profiler_start" not in out + err
+    assert "settled at step None" not in out and " nan" not in out
+
+
+def test_stages_line_without_settling():
+    st = {"settled_at_step": None, "steps_run": 4, "relu_stage12_ms_per_step": 49.8,
+          "relu_stage3_ms_per_step": float("nan")}
+    line = cli._stages_line(st)
+    assert "did not reach the target within the 4 steps" in line and "nan" not in line
+    st.update(settled_at_step=3, relu_stage3_ms_per_step=40.0, stage12_extra_s=0.02)
+    assert cli._stages_line(st).startswith("stages: settled at step 3 of 4")
+
+
+def test_full_run_judges_targets():
+    targets = [{"target": "a", "value": 1.2, "limit": "<= 1.15", "met": False}]
+    assert cli._judge([dict(t) for t in targets], quick=False)[0]["met"] is False
+    judged = cli._judge([dict(t) for t in targets], quick=True)[0]
+    assert judged["met"] is None and judged["judged"] is False

@@ -7,7 +7,9 @@
 JSON keys: ``schema``, ``command``, ``created``, ``quick``, ``machine`` (cpu model, cores,
 torch / transformers versions, threads, allocator, load average), ``machine_ceiling``
 (measured fp32 matmul GFLOP/s), ``layer`` (``rows``, ``targets``), ``model`` (``throughput``,
-``stages``, ``memory``, ``targets``), ``elapsed_s``. Method: docs/PERFORMANCE.md.
+``stages``, ``memory``, ``targets``), ``elapsed_s``. Each target has ``value``, ``limit``,
+``met`` and ``judged``: a ``--quick`` smoke run (``note`` says so) judges none (``met`` null).
+Method: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -86,10 +88,39 @@ def _fmt_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+SMOKE_NOTE = ("smoke run (--quick): small shapes and few repeats check that every measurement "
+              "runs; the targets are stated for the full shapes and are not judged")
+
+
+def _judge(targets: list[dict], quick: bool) -> list[dict]:
+    """A smoke run keeps the values but judges nothing: ``met`` is None, ``judged`` False."""
+    for t in targets:
+        t["judged"] = not quick
+        if quick:
+            t["met"] = None
+    return targets
+
+
 def _print_targets(targets: list[dict]) -> None:
+    if targets and not any(t.get("judged", True) for t in targets):
+        print("  targets not judged (smoke run); values for reference: " + "; ".join(
+            f"{t['target']}: {t['value']}" for t in targets))
+        return
     for t in targets:
         mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']})")
+
+
+def _stages_line(st: dict) -> str:
+    """One line on the stages I-II run; says so when it stopped before the sparsity settled."""
+    if st["settled_at_step"] is None:
+        return (f"stages: sparsity did not reach the target within the {st['steps_run']} steps run "
+                f"(raise --stage-steps); relu ms/step in stages I-II "
+                f"{st['relu_stage12_ms_per_step']:.1f}, no stage III step to compare")
+    return (f"stages: settled at step {st['settled_at_step']} of {st['steps_run']}; relu ms/step "
+            f"stage I-II {st['relu_stage12_ms_per_step']:.1f} vs stage III "
+            f"{st['relu_stage3_ms_per_step']:.1f}; extra "
+            f"{st.get('stage12_extra_s', float('nan')):.2f} s")
 
 
 def _child_call(mode: str, threads: int, fn, args, kwargs):
@@ -138,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
                  "machine": common.machine_info(alloc_desc)}
     m = res["machine"]
+    if args.quick:
+        res["note"] = SMOKE_NOTE
+        print(SMOKE_NOTE)
     print(f"machine: {m['cpu_model']}, {m['cores_logical']} logical cores, torch {m['torch']}, "
           f"{m['threads']} threads, load {m['loadavg_start']}, allocator: {alloc_desc}")
 
@@ -169,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             else:  # no allocator state carried from one row to the next
                 rows += layer.run_case(case, reps, peak, runner=functools.partial(_in_child, args),
                                        **kw)
-        targets = layer.layer_targets(rows, metric)
+        targets = _judge(layer.layer_targets(rows, metric), args.quick)
         res["layer"] = {"rows": rows, "targets": targets}
         print()
         print(_fmt_table(rows, [("case", "case          ", ""), ("row", "row           ", ""),
@@ -206,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         st = _in_child(args, model.stages, max_steps=steps,
                        extra_after_settle=2 if args.quick else 15, metric=metric, **st_kw)
         mem = _in_child(args, model.memory, **kw)
-        targets = model.model_targets(thr, mem, metric)
+        targets = _judge(model.model_targets(thr, mem, metric, preset=preset), args.quick)
         res["model"] = {"preset": preset, "throughput": thr, "stages": st, "memory": mem,
                         "targets": targets}
         print()
@@ -218,9 +252,7 @@ def run(args: argparse.Namespace) -> int:
                                ("infer_vs_dense_cpu", "x dense cpu", ".2f"),
                                ("sparsity_mean", "sparsity", ".3f"),
                                ("active_params", "active params", "d")]))
-        print(f"stages: settled at step {st['settled_at_step']} of {st['steps_run']}; "
-              f"relu ms/step stage I-II {st['relu_stage12_ms_per_step']:.1f} vs stage III "
-              f"{st['relu_stage3_ms_per_step']:.1f}; extra {st.get('stage12_extra_s', float('nan')):.2f} s")
+        print(_stages_line(st))
         for mm in mem:
             print(f"memory (recompute_experts={mm['recompute_experts']}): dense stage "
                   f"{mm['dense_peak_mb']:.1f} MB, sparse {mm['sparse_peak_mb']:.1f} MB, "
@@ -231,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     res["elapsed_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1, default=float))
-    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)")
+    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)" + (" [smoke run]" if args.quick else ""))
     return 0
 
 
