@@ -3,8 +3,12 @@
 An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (the fields of
 :class:`remoe.ReMoEConfig` plus ``preset``), ``data`` (:class:`remoe.data.DataConfig`),
 ``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
-wrong types and impossible values raise :class:`ConfigError` naming the field, before any data
-or model work starts.
+duplicate keys, wrong types, non-finite numbers, impossible values, a file that is not UTF-8
+YAML, a section that is not a mapping and a run directory that cannot be one raise
+:class:`ConfigError` naming the field, before any data or model work starts.
+
+The dataclass defaults are the documented default run, ``configs/tiny_remoe.yaml``: an empty
+YAML file (or no file) gives exactly that experiment.
 """
 
 from __future__ import annotations
@@ -22,15 +26,39 @@ from remoe.config import PRESETS, ReMoEConfig, validate_model_fields
 from remoe.errors import ConfigError
 
 
+MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's SeedSequence take any 0 <= seed < 2**64
+
+
 @dataclass
 class RunConfig:
-    name: str = "run"
+    name: str = "tiny-remoe"
     out_dir: str = "runs"
     seed: int = 0
 
     def validate(self) -> None:
-        _check(bool(self.name) and "/" not in self.name, f"run.name={self.name!r} must be a "
-               "non-empty name without '/'")
+        name, out_dir = self.name, self.out_dir
+        _check(isinstance(name, str) and name.strip() != "" and name not in (".", "..")
+               and not any(c in name for c in "/\\") and name.isprintable(),
+               f"run.name={name!r} must be a directory name: not empty, '.' or '..', without "
+               "'/', '\\' or control characters")
+        _check(isinstance(out_dir, str) and out_dir != "" and "\x00" not in out_dir,
+               f"run.out_dir={out_dir!r} must be a non-empty path")
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool)
+               and 0 <= self.seed <= MAX_SEED, f"run.seed={self.seed!r} must be an integer in "
+               f"[0, {MAX_SEED}]")
+        out = Path(out_dir)
+        for p in (out, *out.parents):  # the nearest existing ancestor must be a directory
+            if p.exists():
+                _check(p.is_dir(), f"run.out_dir={out_dir!r} must be a directory, but "
+                       f"{str(p)!r} is a file")
+                break
+        run_dir = out / name
+        if run_dir.exists() or run_dir.is_symlink():
+            _check(run_dir.is_dir(), f"run.name={name!r}: {str(run_dir)!r} exists and is not a "
+                   "directory")
+            _check(run_dir.resolve().parent == out.resolve(), f"run.name={name!r}: "
+                   f"{str(run_dir)!r} leads outside run.out_dir={out_dir!r} (to "
+                   f"{str(run_dir.resolve())!r})")
 
 
 @dataclass
@@ -64,12 +92,14 @@ class TrainConfig:
     expert_parallel: bool = False
 
     def validate(self) -> None:
+        _check_finite(self, "train")
         for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps",
                      "eval_chunks_per_domain", "eval_batch_size"):
             _check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)!r} must be >= 1")
         for name in ("warmup_steps", "eval_every", "save_every", "keep_last", "log_every"):
             _check(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)!r} must be >= 0")
         _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr={self.lr!r} must be > 0")
+        _check(self.eps > 0, f"train.eps={self.eps!r} must be > 0 (AdamW's denominator term)")
         _check(0 <= self.min_lr <= self.lr,
                f"train.min_lr={self.min_lr!r} must be in [0, train.lr={self.lr}]")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
@@ -90,8 +120,8 @@ class TrainConfig:
 
 @dataclass
 class AnalysisConfig:
-    record_masks_every: int = 10  # record calibration-set routing masks every N steps (0: off)
-    calib_tokens: int = 2048  # size of the fixed calibration set for flip rates
+    record_masks_every: int = 2  # record calibration-set routing masks every N steps (0: off)
+    calib_tokens: int = 1024  # size of the fixed calibration set for flip rates
 
     def validate(self) -> None:
         _check(self.record_masks_every >= 0,
@@ -146,6 +176,14 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_finite(obj: Any, section: str) -> None:
+    """Every float field of a config dataclass is finite (NaN passes every comparison check)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, float):
+            _check(math.isfinite(v), f"{section}.{f.name}={v!r} must be a finite number")
+
+
 _SIMPLE = {"int": int, "float": float, "str": str, "bool": bool}
 
 
@@ -167,12 +205,16 @@ def _coerce(value: Any, type_str: str, where: str) -> Any:
     if py is None:
         return value
     if py is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check(math.isfinite(value), f"{where}={value!r} must be a finite number")
         return float(value)
     if py is float and isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
         try:
-            return float(value)
+            f = float(value)
         except ValueError:
             pass
+        else:
+            _check(math.isfinite(f), f"{where}={value!r} must be a finite number")
+            return f
     ok = isinstance(value, py) and not (py is int and isinstance(value, bool))
     _check(ok, f"{where}={value!r} must be of type {t}")
     return value
@@ -235,6 +277,59 @@ def _validate_model(model: dict[str, Any]) -> None:
     validate_model_fields(c)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, but a mapping with a repeated key is an error (YAML requires unique
+    keys; PyYAML would silently keep the last value)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first_line.get(key)
+                except TypeError:  # unhashable: the base class reports it
+                    continue
+                line = key_node.start_mark.line + 1
+                if seen is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} at line {line} (first at line "
+                        f"{seen}); YAML keys must be unique", None)
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: the problem and where."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+        mark = e.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{e.problem}{where}"
+    return " ".join(str(e).split())
+
+
+def _read_yaml(p: Path) -> Any:
+    _check(p.is_file(), f"config={str(p)!r} does not exist" if not p.exists() else
+           f"config={str(p)!r} is not a file")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config={str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                          f"line {line}, offset {e.start}): save it as UTF-8") from None
+    try:
+        return _yaml_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config={str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], YAML-parsed value)."""
     _check("=" in text, f"--set {text!r} must look like section.key=value")
@@ -243,7 +338,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     _check(len(path) == 2 and all(path), f"--set {text!r}: key must be section.key (e.g. "
            "model.num_experts=16)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -252,20 +347,28 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 SECTIONS = ("run", "model", "data", "train", "analysis")
 
 
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Load a YAML experiment (or the defaults), apply ``--set`` overrides, validate everything."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        _check(p.is_file(), f"config={str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config={str(p)!r} is not valid YAML: {str(e).splitlines()[0]}")
-        _check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections")
-    raw = {k: dict(v or {}) for k, v in raw.items()} if raw else {}
-    for k in raw:
+        loaded = _read_yaml(p)
+        # an empty file (or only comments) is the default experiment
+        raw = {} if loaded is None else loaded
+        _check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections, got "
+               f"{type(raw).__name__} {_short(raw)}")
+    for k, v in raw.items():
         _check(k in SECTIONS, f"unknown section {k!r} (allowed: {', '.join(SECTIONS)})")
+        _check(v is None or isinstance(v, dict), f"section {k} must be a mapping of keys "
+               f"(key: value lines indented under '{k}:'), got {type(v).__name__} {_short(v)}")
+    # an empty section (`model:` alone, or {}) is the same as no section: its defaults
+    raw = {k: dict(v) for k, v in raw.items() if v}
+    raw.setdefault("model", {"preset": "tiny"})  # --set model.x=... refines the default model
     for text in overrides or []:
         (section, key), value = parse_override(text)
         _check(section in SECTIONS, f"--set {text!r}: unknown section {section!r} "
