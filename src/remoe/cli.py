@@ -20,6 +20,7 @@ COMMANDS = {
     "analyze": ("remoe.analysis.cli", "the paper's analyses of a run: stages, sparsity, flips, routing"),
     "report": ("remoe.analysis.report_cli", "an HTML report of one or several runs"),
     "bench": ("remoe.bench.cli", "layer / model / machine benchmarks (table + JSON)"),
+    "study": ("remoe.study.cli", "a resumable grid of training runs from one YAML, with tables"),
 }
 
 

@@ -1,0 +1,149 @@
+"""``remoe study SPEC.yaml``: a grid of training runs from one YAML, resumable, with tables.
+
+    remoe study configs/study/table2.yaml --dry-run        # the runs and their estimated cost
+    remoe study configs/study/table2.yaml --jobs 2         # run (again: continues), then tables
+    remoe study configs/study/table2.yaml --results-only   # rebuild results.* and report.html
+
+Outputs in ``--out`` (default: the spec's ``out``, else ``studies/<spec name>``):
+``runs/<name>/`` (each a ``remoe train`` run), ``configs/<name>.yaml``, ``logs/<name>.log``,
+``study.json``, ``results.csv``, ``results.md``, ``report.html``. See docs/STUDY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+from pathlib import Path
+
+from remoe.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="study spec YAML (see docs/STUDY.md)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the runs with their stop rule and estimated CPU time; run nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once; each gets max(1, cores // jobs) threads (default 1)")
+    p.add_argument("--out", default=None, help="study directory (default: the spec's out, else "
+                                               "studies/<spec name>)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="run only these runs (names, labels or groups; shell patterns allowed); "
+                        "the runs they match FLOPs with are added")
+    p.add_argument("--results-only", action="store_true",
+                   help="rebuild results.csv / results.md / report.html without running")
+    p.add_argument("--no-report", action="store_true", help="do not build report.html")
+
+
+def _select(spec, patterns: list[str] | None) -> set[str] | None:
+    if patterns is None:
+        return None
+    chosen = set()
+    for pat in patterns:
+        hit = {r.name for r in spec.runs
+               if any(fnmatch.fnmatchcase(x, pat) for x in (r.name, r.label, r.group))}
+        if not hit:
+            raise ConfigError(f"--only {pat!r} matches no run, label or group of the study")
+        chosen |= hit
+    return chosen
+
+
+def _fmt_s(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def dry_run(study, log=print) -> dict:
+    """Print the runs and the estimated CPU time; returns the totals."""
+    from remoe.study import estimate
+
+    gflops = estimate.probe_gflops()
+    rate = gflops * estimate.EFFICIENCY
+    flops_of: dict[str, float] = {}
+    rows, total_s, total_flops = [], 0.0, 0.0
+    for r in study.selected():
+        summary = study.summary(r)
+        if summary is not None:
+            flops_of[r.name] = float(summary.get("flops") or 0.0)
+            rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
+            continue
+        match = flops_of.get(r.match_of) if r.match_of else None
+        from remoe.study.spec import apply_stop
+
+        cost = estimate.estimate_flops(apply_stop(r, study.runs_dir, study.threads, match))
+        flops_of[r.name] = cost.flops
+        secs = estimate.cpu_seconds(cost, gflops)
+        total_s += secs
+        total_flops += cost.flops + cost.extra_flops
+        state = "resume" if study.has_checkpoint(r) else "to run"
+        rows.append((r, state, cost.steps, cost.flops, secs))
+    w = max((len(r.name) for r, *_ in rows), default=4)
+    log(f"study {study.spec.name} ({study.spec.path}): {len(rows)} runs -> {study.out}")
+    log(f"budget (spec): {study.spec.budget}")
+    log(f"{'run':<{w}}  {'state':<6}  {'steps':>6}  {'FLOPs':>9}  {'est. CPU':>9}  stop; overrides")
+    for r, state, steps, flops, secs in rows:
+        log(f"{r.name:<{w}}  {state:<6}  {steps if steps is not None else '?':>6}  {flops:>9.3g}  "
+            f"{_fmt_s(secs) if state != 'done' else '-':>9}  {r.describe_stop()}; "
+            f"{r.describe_overrides() or '-'}")
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    wall = total_s / min(study.jobs, cores)
+    log(f"total to run: {total_flops:.3g} FLOPs, estimated {_fmt_s(total_s)} of CPU "
+        f"(~{_fmt_s(wall)} wall with --jobs {study.jobs} on {cores} cores); probe "
+        f"{gflops:.1f} GFLOP/CPU-s x efficiency {estimate.EFFICIENCY} (remoe.study.estimate)")
+    return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall}
+
+
+def _report(study, log=print) -> Path | None:
+    from remoe.analysis.analyze import Options
+    from remoe.analysis.report import ReportOptions, build_report
+
+    done = [study.run_dir(r) for r in study.spec.runs if study.summary(r) is not None]
+    if not done:
+        log("report: no finished run yet")
+        return None
+    out = study.out / "report.html"
+    html = build_report([str(p) for p in done],
+                        ReportOptions(analysis=Options(), title=f"remoe study {study.spec.name}"),
+                        log=lambda m: None)
+    tmp = out.with_name(".report.html.tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from remoe.study.runner import STATE_FILE, Study
+    from remoe.study.results import write_results
+    from remoe.study.spec import load_spec
+
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs={args.jobs} must be >= 1")
+    spec = load_spec(args.spec)  # expands and validates every run before anything starts
+    out = Path(args.out or spec.out or Path("studies") / spec.name)
+    study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only))
+    if args.dry_run:
+        dry_run(study)
+        return 0
+    status = 0
+    if not args.results_only:
+        status = study.run()
+    state = None
+    if (out / STATE_FILE).is_file():
+        state = json.loads((out / STATE_FILE).read_text())
+    csv_path, md_path, rows = write_results(spec, out, state)
+    done = sum(r.get("state") == "done" for r in rows)
+    print(f"results: {md_path} and {csv_path} ({done} of {len(rows)} runs finished)")
+    if spec.report and not args.no_report:
+        try:
+            path = _report(study)
+        except (ConfigError, OSError, ValueError, RuntimeError) as e:
+            print(f"remoe study: report failed: {e}")
+            return status or 1
+        if path is not None:
+            print(f"report: {path}")
+    return status

@@ -1,0 +1,264 @@
+"""Study results: one row per run (``results.csv``) and mean ± std over seeds (``results.md``).
+
+Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``,
+``routing/masks_*.npz``):
+
+* ``val_loss`` and ``val_<domain>``: the final validation (the last ``eval.jsonl`` record, else
+  ``summary.json``); ``steps``, ``tokens``, ``flops`` (training FLOPs), ``train_s`` (the
+  trainer's step time) and ``wall_s`` (the child process over every attempt, from study.json).
+* For runs with an adaptive lambda (ReLU): ``settle_step`` (:func:`detect_stages` with the
+  trainer's defaults, as in its summary), ``flops_to_settle`` (training FLOPs of the steps
+  before it), ``layer_sparsity`` (per layer, mean over the steps from settling on) and
+  ``layer_dev_max`` (max over layers of |mean - (1 - k/E)|), ``lambda_log10_amp`` (log10 of
+  max/min lambda over the steps from settling on; with per-layer ``lambda_layers`` in the
+  metrics, the max over layers).
+* ``inactive_experts``: experts (over all layers) that received fewer than 1/64 of the tokens
+  (the ``remoe analyze`` definition, :data:`remoe.analysis.routing.INACTIVE_RATIO`), counted on
+  the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
+  without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
+  (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
+
+Aggregation: rows with the same (group, label) over seeds; mean ± sample standard deviation
+(n - 1 in the denominator) with n, the number of finished seeds, shown.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from remoe.study.spec import StudySpec
+
+#: columns aggregated in results.md (key, header, format)
+NUMERIC = [("val_loss", "val loss", ".4f"), ("flops", "train FLOPs", ".3g"),
+           ("tokens", "tokens", ".3g"), ("wall_s", "wall s", ".0f")]
+RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOPs to settle", ".3g"),
+                ("layer_dev_max", "max layer dev. from target", ".3f"),
+                ("inactive_experts", "inactive experts", ".1f"),
+                ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f")]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, int | None, str | None]:
+    """(inactive, total, source) per the module docstring; (None, None, None) for dense runs."""
+    from remoe.analysis.routing import INACTIVE_RATIO
+    from remoe.analysis.runlog import load_masks
+
+    if target_sparsity is None:
+        return None, None, None
+    files = run.mask_files()
+    if files:
+        step, path = files[-1]
+        try:
+            masks_LTN, _, _ = load_masks(path)
+        except (OSError, ValueError, KeyError):
+            masks_LTN = None
+        if masks_LTN is not None and masks_LTN.shape[1] > 0:
+            ratio_LN = masks_LTN.mean(axis=1)
+            return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), f"masks@{step}"
+    recs = [r for r in run.metrics.records if isinstance(r.get("expert_counts"), list)]
+    if not recs:
+        return None, None, None
+    tail = recs[len(recs) - max(1, math.ceil(0.1 * len(recs))):]
+    counts_LN = np.sum([np.asarray(r["expert_counts"], dtype=np.float64) for r in tail], axis=0)
+    tokens = float(sum(r.get("step_tokens", 0) for r in tail))
+    if counts_LN.ndim != 2 or tokens <= 0:
+        return None, None, None
+    ratio_LN = counts_LN / tokens
+    return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), "expert_counts"
+
+
+def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float | None:
+    """log10(max / min) of lambda over the records from ``settle_step`` on (per-layer lambdas:
+    the largest layer amplitude)."""
+    after = [r for r in records if int(r.get("step", -1)) >= settle_step]
+    series: list[list[float]] = []
+    layered = [r["lambda_layers"] for r in after if isinstance(r.get("lambda_layers"), list)]
+    if layered and len({len(x) for x in layered}) == 1:
+        series = [list(col) for col in zip(*layered)]
+    else:
+        series = [[r.get("lambda") for r in after]]
+    amps = []
+    for s in series:
+        x = np.asarray([v for v in s if _finite(v) and v > 0], dtype=np.float64)
+        if x.size >= 2:
+            amps.append(float(np.log10(x.max() / x.min())))
+    return max(amps) if amps else None
+
+
+def run_row(run_dir: Path) -> dict[str, Any]:
+    """The numbers of one finished run (see the module docstring)."""
+    from remoe.analysis.runlog import Run
+    from remoe.analysis.stages import detect_stages
+
+    run = Run(run_dir)
+    s = run.summary
+    row: dict[str, Any] = {k: s.get(k) for k in ("steps", "tokens", "flops", "router")}
+    row["train_s"] = s.get("elapsed_s")
+    last_eval = run.evals[-1] if run.evals else None
+    row["val_loss"] = last_eval.get("val_loss") if last_eval else s.get("val_loss")
+    domains = (last_eval or {}).get("domains") or s.get("val_domains") or {}
+    for d, v in domains.items():
+        row[f"val_{d}"] = v
+    mc = run.model_config
+    target = run.target_sparsity
+    row["target_sparsity"] = target
+    inactive, total, source = inactive_experts(run, target)
+    row.update(inactive_experts=inactive, num_experts_total=total, inactive_source=source)
+    m = run.metrics
+    adaptive = mc is not None and mc.router == "relu"
+    if adaptive and len(m) and m.has("sparsity") and target is not None:
+        st = detect_stages(m.steps, m["sparsity"], target, m["lambda"] * m["reg_loss"],
+                           m["lm_loss"])
+        row["settle_step"] = st.settle_step
+        if st.settle_step is not None:
+            before = m.steps < st.settle_step
+            flops = m["flops"][before]
+            row["flops_to_settle"] = float(flops[-1]) if flops.size else 0.0
+            layer = m.layer_sparsity()
+            after = m.steps >= st.settle_step
+            if layer.shape[1] and after.any():
+                mean_L = np.nanmean(layer[after], axis=0)
+                row["layer_sparsity"] = "/".join(f"{v:.4f}" for v in mean_L)
+                row["layer_dev_max"] = float(np.nanmax(np.abs(mean_L - target)))
+            row["lambda_log10_amp"] = lambda_amplitude(m.records, st.settle_step)
+    return row
+
+
+def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per run of the spec: its identity, its state, and its numbers when finished."""
+    runs_state = (state or {}).get("runs") or {}
+    rows = []
+    for r in spec.runs:
+        d = runs_dir / r.name
+        st = runs_state.get(r.name) or {}
+        row: dict[str, Any] = {"name": r.name, "group": r.group, "label": r.label,
+                               "seed": r.seed, "overrides": r.describe_overrides(),
+                               "stop": r.describe_stop()}
+        if (d / "summary.json").is_file():
+            row["state"] = "done"
+            row.update(run_row(d))
+            row["wall_s"] = st.get("total_wall_s") or None
+        else:
+            row["state"] = st.get("state") if st.get("state") not in (None, "done") else "pending"
+        rows.append(row)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
+    tmp.replace(path)
+    return path
+
+
+def mean_std(values: list[Any]) -> tuple[float | None, float | None, int]:
+    """Mean and sample std (n - 1) of the finite values; std None when n < 2."""
+    x = np.asarray([v for v in values if _finite(v)], dtype=np.float64)
+    if x.size == 0:
+        return None, None, 0
+    return float(x.mean()), (float(x.std(ddof=1)) if x.size >= 2 else None), int(x.size)
+
+
+def fmt_mean_std(values: list[Any], spec: str) -> str:
+    m, s, n = mean_std(values)
+    if m is None:
+        return "–"
+    return f"{m:{spec}}" + (f" ± {s:{spec}}" if s is not None else "")
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (group, label): its finished rows and their seeds."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["group"], row["label"])
+        e = out.setdefault(key, {"group": row["group"], "label": row["label"],
+                                 "overrides": row["overrides"], "stop": row["stop"],
+                                 "rows": [], "seeds": 0})
+        e["seeds"] += 1
+        if row.get("state") == "done":
+            e["rows"].append(row)
+    return list(out.values())
+
+
+def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
+    lines = [f"# Study `{spec.name}`", "",
+             f"Spec `{spec.path}`; runs in `{out / 'runs'}`. Budget: {spec.budget}", "",
+             "Mean ± sample std over seeds (n = finished seeds / seeds). Validation loss: the "
+             "final evaluation; FLOPs: training FLOPs counted from the active experts; wall: "
+             "the training process over every attempt. Definitions: docs/STUDY.md.", ""]
+    done = sum(r.get("state") == "done" for r in rows)
+    lines += [f"{done} of {len(rows)} runs finished.", ""]
+    entries = aggregate(rows)
+    for group in dict.fromkeys(e["group"] for e in entries):
+        ges = [e for e in entries if e["group"] == group]
+        domains = sorted({k for e in ges for r in e["rows"] for k in r
+                          if k.startswith("val_") and k != "val_loss"})
+        relu = any(r.get("target_sparsity") is not None and r.get("router") == "relu"
+                   for e in ges for r in e["rows"])
+        lines += [f"## {group}", ""]
+        head = ["run", "n"] + [h for _, h, _ in NUMERIC] + [d[4:] for d in domains]
+        body = []
+        for e in ges:
+            rs = e["rows"]
+            body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
+                        + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in NUMERIC]
+                        + [fmt_mean_std([r.get(d) for r in rs], ".3f") for d in domains])
+        lines += _md_table(head, body) + [""]
+        if relu:
+            head = ["run", "n"] + [h for _, h, _ in RELU_NUMERIC] + ["layer sparsity (mean of seeds)",
+                                                                     "inactive from"]
+            body = []
+            for e in ges:
+                rs = [r for r in e["rows"] if r.get("router") == "relu"]
+                if not rs:
+                    continue
+                per_layer = [[float(x) for x in r["layer_sparsity"].split("/")]
+                             for r in rs if r.get("layer_sparsity")]
+                layers = ("/".join(f"{v:.3f}" for v in np.mean(per_layer, axis=0))
+                          if per_layer and len({len(p) for p in per_layer}) == 1 else "–")
+                total = rs[0].get("num_experts_total")
+                body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
+                            + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in RELU_NUMERIC]
+                            + [layers, f"{rs[0].get('inactive_source') or '–'}"
+                               + (f" (of {total})" if total else "")])
+            lines += ["Sparsity control (ReLU runs; after settling):", ""]
+            lines += _md_table(head, body) + [""]
+        lines += ["<details><summary>runs of this group</summary>", ""]
+        lines += _md_table(["run", "overrides", "stop"],
+                           [[f"`{e['label']}`", e["overrides"] or "–", e["stop"]] for e in ges])
+        lines += ["", "</details>", ""]
+    pending = [r for r in rows if r.get("state") != "done"]
+    if pending:
+        lines += ["Not finished: " + ", ".join(f"`{r['name']}` ({r.get('state')})"
+                                               for r in pending), ""]
+    return "\n".join(lines)
+
+
+def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> tuple[Path, Path, list]:
+    rows = collect(spec, (out / "runs").resolve(), state)
+    csv_path = write_csv(out / "results.csv", rows)
+    md = out / "results.md"
+    tmp = md.with_name(".results.md.tmp")
+    tmp.write_text(markdown(spec, rows, out))
+    tmp.replace(md)
+    return csv_path, md, rows

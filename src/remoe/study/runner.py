@@ -1,0 +1,394 @@
+"""Running a study: every run as a ``remoe train`` child process, resumable, ``jobs`` at once.
+
+State lives in the run directories, not in the study process: a run whose ``summary.json``
+exists is done (never redone); a run with a checkpoint is continued with ``--resume``; any
+other run starts from scratch. So a study killed at any point (``kill -9`` of the study and/or
+its children) continues where it stopped when started again. Children get ``SIGTERM`` when the
+study process dies (``PR_SET_PDEATHSIG`` on Linux), so no orphan keeps writing into a run that
+the next study would resume; ``<out>/study.lock`` (``flock``) keeps two studies off one
+directory. Ctrl-C interrupts the children (SIGINT, then SIGKILL after a grace period); their
+last checkpoints stay.
+
+``<out>/study.json`` records each run's state (pending / running / done / failed / skipped /
+interrupted), exit status, attempts and wall time; it is rewritten atomically at every change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from remoe.errors import ConfigError
+from remoe.study.spec import RunSpec, StudySpec, apply_stop, load_run_config
+
+STATE_FILE = "study.json"
+GRACE_S = 30.0  # Ctrl-C: seconds children get to exit before SIGKILL
+#: config fields that may differ between a run's saved config and the study's without making
+#: it another experiment (threads follow --jobs; the trainer resolves the cache path)
+IGNORED_FIELDS = (("train", "num_threads"),)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def threads_per_job(jobs: int) -> int:
+    return max(1, cores() // max(1, jobs))
+
+
+def default_command(config_path: Path, resume: bool) -> list[str]:
+    """``python -m remoe.cli train CONFIG --no-progress [--resume]``."""
+    cmd = [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress"]
+    return cmd + (["--resume"] if resume else [])
+
+
+def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config as the experiment loader resolves it, minus the fields that do not matter."""
+    d = load_run_config(cfg).to_dict()
+    for section, key in IGNORED_FIELDS:
+        d.get(section, {}).pop(key, None)
+    return d
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section) or {}, b.get(section) or {}
+        for key in sorted(set(sa) | set(sb)):
+            if sa.get(key) != sb.get(key):
+                out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM when the study process dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def tail(path: Path, n: int = 12) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+@dataclass
+class RunState:
+    state: str = "pending"  # pending | running | done | failed | skipped | interrupted
+    exit_status: int | None = None
+    attempts: int = 0
+    started: float | None = None
+    finished: float | None = None
+    wall_s: float | None = None  # of the last attempt (the whole child process)
+    total_wall_s: float = 0.0  # over every attempt
+    resumed: bool = False
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Study:
+    """A spec bound to an output directory."""
+
+    spec: StudySpec
+    out: Path
+    jobs: int = 1
+    command: Callable[[Path, bool], list[str]] = default_command
+    log: Callable[[str], None] = print
+    only: set[str] | None = None  # run names to run (dependencies are added)
+    states: dict[str, RunState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.threads = threads_per_job(self.jobs)
+        old = _read_json(self.out / STATE_FILE) or {}
+        for r in self.spec.runs:
+            prev = (old.get("runs") or {}).get(r.name) or {}
+            st = RunState()
+            for k in ("attempts", "exit_status", "wall_s", "total_wall_s", "started", "finished",
+                      "state", "message"):
+                if k in prev:
+                    setattr(st, k, prev[k])
+            self.states[r.name] = st
+
+    # -- paths ------------------------------------------------------------------------------
+    @property
+    def runs_dir(self) -> Path:
+        return (self.out / "runs").resolve()
+
+    def run_dir(self, r: RunSpec) -> Path:
+        return self.runs_dir / r.name
+
+    def config_path(self, r: RunSpec) -> Path:
+        return self.out / "configs" / f"{r.name}.yaml"
+
+    def log_path(self, r: RunSpec) -> Path:
+        return self.out / "logs" / f"{r.name}.log"
+
+    # -- what a run's directory says ----------------------------------------------------------
+    def summary(self, r: RunSpec) -> dict[str, Any] | None:
+        return _read_json(self.run_dir(r) / "summary.json")
+
+    def has_checkpoint(self, r: RunSpec) -> bool:
+        from remoe.train.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.run_dir(r) / "checkpoints") is not None
+
+    def match_flops(self, r: RunSpec) -> float | None:
+        if r.match_of is None:
+            return None
+        s = self.summary(self.spec.by_name()[r.match_of])
+        return float(s["flops"]) if s and s.get("flops") else None
+
+    def full_config(self, r: RunSpec) -> dict[str, Any]:
+        return apply_stop(r, self.runs_dir, self.threads, self.match_flops(r))
+
+    def check_existing(self, selected: list[RunSpec]) -> None:
+        """A run directory made with another config than the spec's now: stop before anything
+        starts (a summary or checkpoint of another experiment must not count or be resumed)."""
+        bad = []
+        for r in selected:
+            saved = self.run_dir(r) / "config.yaml"
+            if not saved.is_file():
+                continue
+            if r.match_of is not None and self.match_flops(r) is None:
+                continue  # its stop point is not known yet: checked once it is
+            if not (self.summary(r) or self.has_checkpoint(r)):
+                continue  # nothing to keep: it restarts from scratch
+            have = _read_yaml(saved)
+            diff = config_diff(_comparable(have), _comparable(self.full_config(r))) if have else [
+                "config.yaml unreadable"]
+            if diff:
+                bad.append(f"{r.name} ({'; '.join(diff[:3])})")
+        if bad:
+            raise ConfigError(f"--out={str(self.out)!r}: run(s) made with another config: "
+                              f"{', '.join(bad)}; delete their directories under "
+                              f"{self.runs_dir} or choose another --out")
+
+    # -- selection ----------------------------------------------------------------------------
+    def selected(self) -> list[RunSpec]:
+        """The runs to consider, dependencies first; ``only`` plus what it depends on."""
+        ordered = self.spec.ordered()
+        if self.only is None:
+            return ordered
+        by = self.spec.by_name()
+        want = set(self.only)
+        stack = list(want)
+        while stack:
+            r = by[stack.pop()]
+            if r.match_of and r.match_of not in want:
+                want.add(r.match_of)
+                stack.append(r.match_of)
+        return [r for r in ordered if r.name in want]
+
+    # -- state file -----------------------------------------------------------------------------
+    def write_state(self, status: str) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        doc = {"spec": str(self.spec.path), "study": self.spec.name, "budget": self.spec.budget,
+               "status": status, "updated": time.time(), "jobs": self.jobs,
+               "threads_per_job": self.threads, "cores": cores(),
+               "runs": {r.name: {"group": r.group, "label": r.label, "seed": r.seed,
+                                 **self.states[r.name].to_dict()} for r in self.spec.runs}}
+        _atomic_write(self.out / STATE_FILE, json.dumps(doc, indent=2))
+
+    def refresh_done(self) -> None:
+        """Runs finished on disk are done, whatever an earlier (killed) study wrote."""
+        for r in self.spec.runs:
+            st = self.states[r.name]
+            if self.summary(r) is not None:
+                st.state = "done"
+            elif st.state in ("running", "done"):
+                st.state = "interrupted"  # a killed study or a deleted summary
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, poll_s: float = 0.5) -> int:
+        """Run every selected run not yet done; 0 if all of them are done in the end."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = open(self.out / "study.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(f"--out={str(self.out)!r} is in use by another remoe study "
+                              "(study.lock is held)") from None
+        try:
+            return self._run(poll_s)
+        finally:
+            lock.close()
+
+    def _run(self, poll_s: float) -> int:
+        selected = self.selected()
+        self.check_existing(selected)
+        self.refresh_done()
+        todo = [r for r in selected if self.states[r.name].state != "done"]
+        done = len(selected) - len(todo)
+        self.log(f"study {self.spec.name}: {len(selected)} runs ({done} done, {len(todo)} to run), "
+                 f"{self.jobs} at a time x {self.threads} thread(s) -> {self.out}")
+        self._prepare_data(todo)
+        for r in todo:
+            self.states[r.name].state = "pending"
+            self.states[r.name].message = None
+        self.write_state("running")
+        running: dict[str, tuple[subprocess.Popen, RunSpec, float, Any]] = {}
+        by = self.spec.by_name()
+        try:
+            while todo or running:
+                for name, (proc, r, t0, fh) in list(running.items()):
+                    if proc.poll() is not None:
+                        fh.close()
+                        del running[name]
+                        self._finished(r, proc.returncode, t0)
+                for r in list(todo):
+                    dep = by.get(r.match_of) if r.match_of else None
+                    if dep is not None and self.states[dep.name].state in ("failed", "skipped"):
+                        todo.remove(r)
+                        st = self.states[r.name]
+                        st.state, st.message = "skipped", f"{dep.name} did not finish"
+                        self.log(f"  skipped {r.name}: it matches the FLOPs of {dep.name}, "
+                                 "which did not finish")
+                        self.write_state("running")
+                while todo and len(running) < self.jobs:
+                    ready = next((r for r in todo if r.match_of is None
+                                  or self.states[r.match_of].state == "done"), None)
+                    if ready is None:
+                        break
+                    todo.remove(ready)
+                    running[ready.name] = self._launch(ready)
+                if todo and not running:  # cannot happen with a checked order; be safe
+                    raise RuntimeError("study: runs wait for runs that will not finish: "
+                                       + ", ".join(r.name for r in todo))
+                time.sleep(poll_s)
+        except KeyboardInterrupt:
+            self._interrupt(running)
+            self.write_state("interrupted")
+            raise
+        failed = [n for n in (r.name for r in selected) if self.states[n].state in
+                  ("failed", "skipped")]
+        self.write_state("failed" if failed else "done")
+        if failed:
+            self.log(f"study {self.spec.name}: {len(failed)} run(s) did not finish: "
+                     + ", ".join(failed))
+            return 1
+        self.log(f"study {self.spec.name}: all {len(selected)} runs done")
+        return 0
+
+    def _prepare_data(self, todo: list[RunSpec]) -> None:
+        """Build each data cache once, here, so that parallel children never race to build it."""
+        if self.command is not default_command:
+            return
+        seen = set()
+        for r in todo:
+            exp = load_run_config(self.full_config(r))
+            key = json.dumps(exp.to_dict()["data"], sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            from remoe.data import prepare_data
+
+            prepare_data(exp.data, progress=False)
+
+    def _launch(self, r: RunSpec):
+        cfg = self.full_config(r)
+        if r.match_of is not None:  # its stop point is known now: the same check as at start
+            self.check_existing([r])
+        path = self.config_path(r)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
+        resume = self.summary(r) is None and self.has_checkpoint(r)
+        log = self.log_path(r)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(log, "a")
+        fh.write(f"\n==== remoe study: {'resume' if resume else 'start'} {r.name} "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+        fh.flush()
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        proc = subprocess.Popen(self.command(path.resolve(), resume), stdout=fh,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=_die_with_parent)
+        st = self.states[r.name]
+        st.state, st.attempts, st.started, st.resumed = "running", st.attempts + 1, time.time(), resume
+        st.exit_status = None
+        self.log(f"  {'resume' if resume else 'start '} {r.name}  [{r.describe_overrides()}] "
+                 f"stop: {r.describe_stop()}  (pid {proc.pid}, log {log})")
+        self.write_state("running")
+        return proc, r, time.time(), fh
+
+    def _finished(self, r: RunSpec, code: int, t0: float) -> None:
+        st = self.states[r.name]
+        st.exit_status, st.finished = code, time.time()
+        st.wall_s = st.finished - t0
+        st.total_wall_s = (st.total_wall_s or 0.0) + st.wall_s
+        if code == 0 and self.summary(r) is not None:
+            st.state, st.message = "done", None
+            self.log(f"  done  {r.name}  ({st.wall_s:.0f} s)")
+        else:
+            st.state = "failed"
+            lines = tail(self.log_path(r))
+            st.message = lines[-1] if lines else None
+            self.log(f"  FAILED {r.name}: exit status {code} (log {self.log_path(r)}); last lines:\n"
+                     + "\n".join("    | " + ln for ln in lines))
+        self.write_state("running")
+
+    def _interrupt(self, running: dict) -> None:
+        """Ctrl-C: ask every child to stop (SIGINT), wait, then SIGKILL the stragglers."""
+        if not running:
+            return
+        self.log(f"interrupted: stopping {len(running)} run(s) (their last checkpoints stay; "
+                 "run the same command again to continue)")
+        for proc, _, _, _ in running.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + GRACE_S
+        for name, (proc, r, t0, fh) in running.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            fh.close()
+            st = self.states[name]
+            st.exit_status, st.finished = proc.returncode, time.time()
+            st.wall_s = st.finished - t0
+            st.total_wall_s = (st.total_wall_s or 0.0) + st.wall_s
+            st.state = "done" if self.summary(r) is not None else "interrupted"
