@@ -1,14 +1,40 @@
-"""Adaptive sparsity control for ReLU routing (paper eq. 6-7).
+"""Adaptive sparsity control for ReLU routing (paper eq. 6-7) and the project's options.
 
-``lambda_{i+1} = lambda_i * alpha ** sign((1 - k/E) - S_i)``: one lambda shared by all layers,
-updated once per optimizer step from the sparsity of the whole step, kept in float64 on the host
-(at least fp32, whatever the model dtype) and checkpointed through ``state_dict``.
+The paper's controller (the default): ``lambda_{i+1} = lambda_i * alpha ** sign((1 - k/E) - S_i)``,
+one lambda shared by all layers, updated once per optimizer step from the sparsity of the whole
+step, kept in float64 on the host and checkpointed through ``state_dict``.
+
+Options (``model.sparsity_control`` / ``model.lambda_update``; docs/CONTROL.md):
+
+* ``lambda_update="pi"``: a proportional-integral step in log space on the relative density
+  error ``e = (d - d*) / d*`` (``d = 1 - S``, ``d* = k/E``)::
+
+      log lambda += log(alpha) * clip(kp * (e_i - e_{i-1}) + ki * e_i, -1, 1)
+
+  far from the target (stage I: ``e`` up to E/k - 1) the step saturates at the paper's
+  ``alpha``, so settling is as fast; near the target it shrinks with the error, which removes
+  the stage-III limit cycle of the sign rule (a full ``alpha`` step every step, whatever the
+  error).
+* ``sparsity_control="per_layer"``: one controller per MoE layer, each driven by its own
+  layer's sparsity (:class:`LayerwiseLambdaController`).
+* :class:`ExpertRevival` counts, per layer and expert, the consecutive steps in which the
+  expert received no token; experts silent for ``revive_after`` steps are handed to their
+  router's revival hinge (remoe.model.routers.relu).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+UPDATE_RULES = ("sign", "pi")
+
+
+def _finite(sparsity) -> float:
+    s = float(sparsity)
+    if not math.isfinite(s):
+        raise ValueError(f"sparsity={s!r} is not finite")
+    return s
 
 
 @dataclass
@@ -18,10 +44,16 @@ class LambdaController:
     alpha: float = 1.2
     value: float | None = None  # current lambda_i (None -> lambda0)
     steps: int = 0  # number of updates applied
+    rule: str = "sign"  # "sign" (eq. 6) | "pi"
+    kp: float = 1.0  # pi: weight of the change in relative density error
+    ki: float = 0.25  # pi: weight of the relative density error
+    prev_error: float | None = None  # pi: e_{i-1}
 
     def __post_init__(self) -> None:
         if self.value is None:
             self.value = float(self.lambda0)
+        if self.rule not in UPDATE_RULES:
+            raise ValueError(f"rule={self.rule!r} must be one of {UPDATE_RULES}")
 
     @property
     def coeff(self) -> float:
@@ -29,22 +61,34 @@ class LambdaController:
         return float(self.value)
 
     def update(self, sparsity: float) -> float:
-        """Apply eq. 6 with the step's measured sparsity S_i; returns lambda_{i+1}.
+        """Apply the update rule with the step's measured sparsity S_i; returns lambda_{i+1}.
 
         ``sparsity`` may be a python float or a 0-d tensor (``MoEAux.sparsity``).
         """
-        sparsity = float(sparsity)
-        if not math.isfinite(sparsity):
-            raise ValueError(f"sparsity={sparsity!r} is not finite")
-        gap = self.target_sparsity - sparsity
-        sign = (gap > 0) - (gap < 0)
-        self.value = float(self.value) * self.alpha ** sign
+        sparsity = _finite(sparsity)
+        if self.rule == "sign":
+            gap = self.target_sparsity - sparsity
+            sign = (gap > 0) - (gap < 0)
+            self.value = float(self.value) * self.alpha ** sign
+        else:
+            self.value = float(self.value) * self.alpha ** self.pi_step(sparsity)
         self.steps += 1
         return self.value
 
+    def pi_step(self, sparsity: float) -> float:
+        """The PI rule's step in units of log(alpha), in [-1, 1] (updates ``prev_error``)."""
+        target_density = 1.0 - self.target_sparsity
+        error = ((1.0 - sparsity) - target_density) / target_density
+        prev = error if self.prev_error is None else self.prev_error
+        self.prev_error = error
+        return max(-1.0, min(1.0, self.kp * (error - prev) + self.ki * error))
+
     def state_dict(self) -> dict:
-        return {"target_sparsity": self.target_sparsity, "lambda0": self.lambda0,
-                "alpha": self.alpha, "value": self.value, "steps": self.steps}
+        state = {"target_sparsity": self.target_sparsity, "lambda0": self.lambda0,
+                 "alpha": self.alpha, "value": self.value, "steps": self.steps}
+        if self.rule != "sign":  # the paper's controller keeps its original checkpoint format
+            state.update(rule=self.rule, kp=self.kp, ki=self.ki, prev_error=self.prev_error)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.target_sparsity = float(state["target_sparsity"])
@@ -52,3 +96,146 @@ class LambdaController:
         self.alpha = float(state["alpha"])
         self.value = float(state["value"])
         self.steps = int(state["steps"])
+        self.rule = str(state.get("rule", "sign"))
+        self.kp = float(state.get("kp", self.kp))
+        self.ki = float(state.get("ki", self.ki))
+        prev = state.get("prev_error")
+        self.prev_error = None if prev is None else float(prev)
+
+
+@dataclass
+class LayerwiseLambdaController:
+    """One :class:`LambdaController` per MoE layer, each fed its own layer's sparsity."""
+
+    layers: list[LambdaController] = field(default_factory=list)
+
+    @property
+    def coeffs(self) -> list[float]:
+        return [c.coeff for c in self.layers]
+
+    @property
+    def coeff(self) -> float:
+        """The mean coefficient (what a single lambda would be for the same total pressure)."""
+        return sum(self.coeffs) / max(1, len(self.layers))
+
+    def update(self, layer_sparsity: list[float]) -> list[float]:
+        if len(layer_sparsity) != len(self.layers):
+            raise ValueError(f"got {len(layer_sparsity)} layer sparsities for "
+                             f"{len(self.layers)} controllers")
+        return [c.update(s) for c, s in zip(self.layers, layer_sparsity)]
+
+    def state_dict(self) -> dict:
+        return {"per_layer": [c.state_dict() for c in self.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "per_layer" not in state or len(state["per_layer"]) != len(self.layers):
+            raise ValueError("checkpoint holds no per-layer lambda state for "
+                             f"{len(self.layers)} layers (was it trained with "
+                             "model.sparsity_control=global?)")
+        for c, s in zip(self.layers, state["per_layer"]):
+            c.load_state_dict(s)
+
+
+@dataclass
+class ExpertRevival:
+    """Consecutive silent steps per (layer, expert); experts silent ``after`` steps are dead."""
+
+    after: int
+    silent: list[list[int]] = field(default_factory=list)  # [L][N]
+
+    def update(self, counts_LN) -> list[list[bool]]:
+        """Feed the step's routed-token counts [L][N]; returns the dead mask [L][N]."""
+        counts = [[float(v) for v in row] for row in counts_LN]
+        if not self.silent:
+            self.silent = [[0] * len(row) for row in counts]
+        self.silent = [[(s + 1) if c == 0 else 0 for s, c in zip(srow, crow)]
+                       for srow, crow in zip(self.silent, counts)]
+        return self.dead()
+
+    def dead(self) -> list[list[bool]]:
+        return [[s >= self.after for s in row] for row in self.silent]
+
+    def state_dict(self) -> dict:
+        return {"after": self.after, "silent": [list(r) for r in self.silent]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.after = int(state["after"])
+        self.silent = [[int(v) for v in r] for r in state["silent"]]
+
+
+class SparsityControl:
+    """Everything the trainer steers for a ReLU-routed model, behind one ``state_dict``.
+
+    ``lam`` is a :class:`LambdaController` (one lambda, the paper) or a
+    :class:`LayerwiseLambdaController`; ``revival`` an optional :class:`ExpertRevival`. The
+    paper's configuration (one lambda, no revival) checkpoints exactly as a bare
+    LambdaController did, so older checkpoints resume unchanged.
+    """
+
+    def __init__(self, lam, revival: ExpertRevival | None = None) -> None:
+        self.lam = lam
+        self.revival = revival
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.lam, LayerwiseLambdaController)
+
+    @property
+    def coeff(self) -> float:
+        """lambda_i (per-layer control: the mean over layers)."""
+        return self.lam.coeff
+
+    @property
+    def layer_coeffs(self) -> list[float] | None:
+        """lambda_{i,l} per MoE layer (None: one lambda for all layers)."""
+        return self.lam.coeffs if self.per_layer else None
+
+    def update(self, sparsity: float, layer_sparsity: list[float], counts_LN) -> None:
+        """One optimizer step's measurements (all ranks reduced) -> the next coefficients."""
+        self.lam.update(layer_sparsity if self.per_layer else sparsity)
+        if self.revival is not None:
+            self.revival.update(counts_LN)
+
+    def dead_experts(self) -> list[list[bool]] | None:
+        """[L][N] experts whose revival hinge is on for the next step (None: revival off)."""
+        return self.revival.dead() if self.revival is not None and self.revival.silent else None
+
+    def state_dict(self) -> dict:
+        if not self.per_layer and self.revival is None:
+            return self.lam.state_dict()
+        return {"lambda": self.lam.state_dict(),
+                "revival": self.revival.state_dict() if self.revival is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        nested = "lambda" in state and isinstance(state["lambda"], dict)
+        if self.per_layer or self.revival is not None:
+            if not nested:
+                raise ValueError("checkpoint holds the paper's single-lambda state; this run "
+                                 "asks for per-layer control or expert revival")
+            self.lam.load_state_dict(state["lambda"])
+            if self.revival is not None and state.get("revival") is not None:
+                self.revival.load_state_dict(state["revival"])
+            return
+        if nested:
+            raise ValueError("checkpoint holds per-layer / revival control state; this run "
+                             "asks for the paper's single lambda")
+        self.lam.load_state_dict(state)
+
+
+def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
+    """The sparsity control ``cfg`` (a ReMoEConfig) asks for; None for non-adaptive routers."""
+    if cfg.router != "relu":
+        return None
+
+    def one() -> LambdaController:
+        return LambdaController(cfg.target_sparsity, cfg.lambda0, cfg.alpha,
+                                rule=getattr(cfg, "lambda_update", "sign"),
+                                kp=getattr(cfg, "lambda_pi_kp", 1.0),
+                                ki=getattr(cfg, "lambda_pi_ki", 0.25))
+
+    if getattr(cfg, "sparsity_control", "global") == "per_layer":
+        lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)])
+    else:
+        lam = one()
+    after = getattr(cfg, "revive_after", 0)
+    return SparsityControl(lam, ExpertRevival(after) if after > 0 else None)

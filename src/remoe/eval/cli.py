@@ -5,9 +5,13 @@
 For each CHECKPOINT (a run directory, a checkpoint directory or an HF directory) it prints the
 validation (or ``--split test``) loss and perplexity overall and per domain, then the zero-shot
 table in the paper's layout (one row per model, one column per task, Avg.) in Markdown, and
-with ``--out`` writes everything as JSON plus one CSV row per model. The data for the loss is
-the run's (``config.yaml``'s ``data`` section, in the run directory or above the checkpoint)
-or ``--data-cache DIR``. Nothing is downloaded; see ``docs/EVAL.md``.
+writes everything as JSON plus one CSV row per model: to ``--out FILE.json``, else, for every
+CHECKPOINT given as a run directory, its own results to ``RUN/eval_results.json`` (where
+``remoe report RUN`` reads them). The loss is over the whole held-out split (``--loss-chunks``
+caps it), unlike the training log's validation loss (``train.eval_chunks_per_domain``
+sequences per domain). The data for the loss is the run's (``config.yaml``'s ``data``
+section, in the run directory or above the checkpoint) or ``--data-cache DIR``. An unknown
+task name stops the command before any work. Nothing is downloaded; see ``docs/EVAL.md``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, metavar="N",
                         help="at most N examples per zero-shot task")
     parser.add_argument("--out", default=None, metavar="FILE.json",
-                        help="write the results as JSON here (and FILE.csv beside it)")
+                        help="write the results as JSON here (and FILE.csv beside it); default: "
+                             "RUN/eval_results.json for every CHECKPOINT that is a run "
+                             "directory (read by `remoe report RUN`)")
+    parser.add_argument("--no-save", action="store_true",
+                        help="print only: write no results file")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="sequences per forward pass (default: 8)")
     parser.add_argument("--data-cache", default=None, metavar="DIR",
@@ -63,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length of the loss (default: the run's train.seq_len, "
                              "else the model's maximum)")
     parser.add_argument("--no-loss", action="store_true", help="skip the held-out loss")
+    parser.add_argument("--gate-threshold", type=float, nargs="+", default=None, metavar="TAU",
+                        help="ReLU-routed models: sweep the inference-time gate threshold tau "
+                             "(gates <= tau inactive; 0 = the trained model) and report loss vs "
+                             "active experts per token, e.g. --gate-threshold 0 0.01 0.03 0.1")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default: auto)")
 
 
@@ -199,10 +211,57 @@ def _write_csv(path: Path, models: list[dict[str, Any]], columns: list[tuple[str
             w.writerow(row)
 
 
+def check_task_names(spec: str) -> None:
+    """Every name of a ``--tasks`` selection must be a known task (a one-line ConfigError
+    otherwise, before any model or data is loaded); a known task whose data is not local is
+    not an error here (it is skipped later, with how to provide it)."""
+    import difflib
+
+    from remoe.eval.builtin_tasks import BUILTIN_TASKS
+    from remoe.eval.standard import PAPER_TASK_NAMES, lm_eval_task_config
+    from remoe.eval.zeroshot import parse_task_selection
+
+    _, standard = parse_task_selection(spec)
+    known = ["builtin", "paper", "none", *BUILTIN_TASKS, *PAPER_TASK_NAMES]
+    for name in standard:
+        if name in PAPER_TASK_NAMES:
+            continue
+        try:
+            if not _named_in_lm_eval(name):  # fast: no need to index every lm-eval task
+                raise KeyError(name)
+            lm_eval_task_config(name)
+        except KeyError:
+            near = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise ConfigError(f"--tasks={spec!r}: unknown task {name!r}{hint}; use builtin, "
+                              f"paper, none, or lm-eval task names") from None
+
+
+def _named_in_lm_eval(name: str) -> bool:
+    """Whether ``name`` occurs in any of lm-eval's task YAML files (a task it defines must; a
+    plain byte search over them takes seconds, indexing them all takes a minute)."""
+    import lm_eval.tasks
+
+    needle = name.encode()
+    root = Path(lm_eval.tasks.__file__).parent
+    return any(needle in p.read_bytes() for p in root.rglob("*.yaml"))
+
+
+def _saves(args: argparse.Namespace, entries: list[dict[str, Any]]) -> list[tuple[Path, list]]:
+    """Where the results go: ``(json path, names of the models it holds)``."""
+    if args.no_save:
+        return []
+    if args.out:
+        return [(Path(args.out), [e["name"] for e in entries])]
+    return [(Path(e["run_dir"]) / "eval_results.json", [e["name"]]) for e in entries
+            if e["run_dir"] is not None and Path(e["path"]).resolve() == Path(e["run_dir"]).resolve()]
+
+
 # ----------------------------------------------------------------------------- run
 
 def run(args: argparse.Namespace) -> int:
     force_offline()
+    check_task_names(args.tasks)  # a misspelt task stops here, before any model or data
     import torch
 
     from remoe.train.checkpoint import load_model, resolve_model_dir
@@ -279,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
             if rec["loss_skipped"]:
                 print(f"remoe eval: {e['name']}: loss skipped: {rec['loss_skipped']}",
                       file=sys.stderr)
+        if args.gate_threshold:
+            rec["gate_threshold_sweep"] = _dial(e, model, bundle_for(e), args, device)
         if plan is not None and plan.runnable:
             if tok_path is None:
                 raise ConfigError(f"checkpoint={e['path']!r} has no tokenizer.json")
@@ -296,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     if len(seq_lens) > 1:
         print(f"remoe eval: note: the losses use different sequence lengths {sorted(seq_lens)} "
               "(each run's train.seq_len); pass --seq-len to compare them", file=sys.stderr)
-    return _report(args, models, plan, manifest or None)
+    return _report(args, models, plan, manifest or None, _saves(args, entries))
 
 
 def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
@@ -324,34 +385,68 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
     return res, None
 
 
-def _report(args: argparse.Namespace, models: list[dict[str, Any]], plan: Any,
-            manifest: dict[str, Any] | None) -> int:
+def _dial(e: dict[str, Any], model: Any, bundle: Any, args: argparse.Namespace,
+          device: str) -> list[dict[str, Any]]:
+    """``--gate-threshold``: loss vs active experts per token for each tau (remoe.eval.dial)."""
+    from remoe.eval.dial import format_sweep, threshold_sweep
+
+    if bundle is None:
+        raise ConfigError("--gate-threshold needs the run's data: no config.yaml found with the "
+                          "checkpoint; pass --data-cache DIR")
+    seq_len = args.seq_len or ((e["run_cfg"] or {}).get("train") or {}).get("seq_len") \
+        or model.config.max_position_embeddings
+    seq_len = min(int(seq_len), model.config.max_position_embeddings)
+    rows = threshold_sweep(model, lambda: bundle.eval_batches(
+        args.split, seq_len=seq_len, batch_size=args.batch_size,
+        max_chunks_per_domain=args.loss_chunks), args.gate_threshold, device=device)
+    experts = model.config.num_experts * model.config.granularity
+    print(format_sweep(e["name"], rows, experts))
+    return rows
+
+
+def _tables(args: argparse.Namespace, models: list[dict[str, Any]],
+            columns: list) -> dict[str, str]:
+    """The Markdown tables of ``models`` (and their zero-shot averages)."""
     from remoe.eval.zeroshot import BUILTIN_COLUMNS, headline, zero_shot_table
 
     tables: dict[str, str] = {}
     if not args.no_loss:
         tables["loss"] = loss_table(models, args.split)
-        print(f"## Held-out loss ({args.split})\n\n{tables['loss']}\n")
-    columns = plan.columns if plan is not None else []
     groups = {"standard": [c for c in columns if c[0] not in BUILTIN_COLUMNS],
               "builtin": [c for c in columns if c[0] in BUILTIN_COLUMNS]}
-    titles = {"standard": "Zero-shot accuracy (%)",
-              "builtin": "Built-in offline tasks, accuracy (%) (* = built from the held-out "
-                         "split, not the original benchmark)"}
     for g, cols in groups.items():
         if not cols:
             continue
         for m in models:
             m["averages"][g] = headline(m["zero_shot"], cols)["avg"]
         tables[g] = zero_shot_table([(m["name"], m["zero_shot"]) for m in models], cols)
-        print(f"## {titles[g]}\n\n{tables[g]}\n")
+    return tables
+
+
+TITLES = {"standard": "Zero-shot accuracy (%)",
+          "builtin": "Built-in offline tasks, accuracy (%) (* = built from the held-out split, "
+                     "not the original benchmark)"}
+
+
+def _report(args: argparse.Namespace, models: list[dict[str, Any]], plan: Any,
+            manifest: dict[str, Any] | None, saves: list[tuple[Path, list]] = ()) -> int:
+    columns = plan.columns if plan is not None else []
+    tables = _tables(args, models, columns)
+    if "loss" in tables:
+        chunks = (f"at most {args.loss_chunks} sequences per domain" if args.loss_chunks
+                  else "the whole split")
+        print(f"## Held-out loss ({args.split}, {chunks})\n\n{tables['loss']}\n")
+    for g in ("standard", "builtin"):
+        if g in tables:
+            print(f"## {TITLES[g]}\n\n{tables[g]}\n")
     if plan is not None and plan.skipped:
         print("Skipped: " + ", ".join(sorted(plan.skipped)) + " (see the messages above)\n")
-    if args.out:
-        out = Path(args.out)
+    for out, names in saves:
+        held = [m for m in models if m["name"] in names]
         out.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "split": None if args.no_loss else args.split,
+            "loss_chunks_per_domain": args.loss_chunks,  # None: the whole split
             "tasks": {"selection": args.tasks,
                       "columns": [list(c) for c in columns],
                       "skipped": plan.skipped if plan is not None else {},
@@ -360,10 +455,10 @@ def _report(args: argparse.Namespace, models: list[dict[str, Any]], plan: Any,
                       "standard_sources": {s.name: s.source for s in plan.standard if s.source}
                       if plan is not None else {}},
             "limit": args.limit,
-            "models": models,
-            "tables": tables,
+            "models": held,
+            "tables": tables if len(held) == len(models) else _tables(args, held, columns),
         }
         out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        _write_csv(out.with_suffix(".csv"), models, columns)
+        _write_csv(out.with_suffix(".csv"), held, columns)
         print(f"wrote {out} and {out.with_suffix('.csv')}", file=sys.stderr)
     return 0

@@ -34,6 +34,7 @@ class MoEAux:
     active_counts_LN: Tensor  # [L_moe, N] tokens routed to each expert of each MoE layer
     num_tokens: int  # T tokens in this forward
     masks: list[Tensor] | None = None  # per MoE layer bool [T, N] when record_masks=True
+    reg_losses_L: Tensor | None = None  # [L_moe]: each MoE layer's L_reg term (per-layer lambda)
 
     @property
     def num_moe_layers(self) -> int:
@@ -243,11 +244,12 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         zero = torch.zeros((), device=device)
         if not routed:
             return MoEAux(zero, zero, torch.zeros(0, 0, device=device), T)
-        reg = torch.stack([a.reg_loss for a in routed]).mean()
+        reg_L = torch.stack([a.reg_loss for a in routed])
+        reg = reg_L.mean()
         aux = torch.stack([a.aux_loss for a in layer_aux]).sum()
         counts = torch.stack([a.active_counts_N for a in routed])
         masks = [a.mask_TN for a in routed] if routed[0].mask_TN is not None else None
-        return MoEAux(reg, aux, counts, T, masks)
+        return MoEAux(reg, aux, counts, T, masks, reg_L)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        active: bool = False) -> int:

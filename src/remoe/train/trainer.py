@@ -33,7 +33,8 @@ import torch.distributed as dist
 from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
-from remoe.sparsity import LambdaController
+from remoe.model.routers import ReLURouter
+from remoe.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.config import ExperimentConfig
 from remoe.train.flops import FlopCounter
@@ -205,9 +206,10 @@ class Trainer:
         self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         self.ep = self._setup_expert_parallel()  # None unless expert parallel under torchrun
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
-        self.controller = (LambdaController(self.model_cfg.target_sparsity, self.model_cfg.lambda0,
-                                            self.model_cfg.alpha)
-                           if self.model_cfg.router == "relu" else None)
+        self.relu_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
+                             if isinstance(r, ReLURouter)]
+        # the paper's single lambda by default; per-layer / PI / revival on request
+        self.controller = build_controller(self.model_cfg, len(self.relu_routers))
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -375,12 +377,13 @@ class Trainer:
         """Every rank must hold the same lambda (it is updated from all-reduced statistics)."""
         if not self.dist.enabled or self.controller is None:
             return
-        lam = torch.tensor([self.controller.coeff, -self.controller.coeff], dtype=torch.float64,
-                           device=self.device)
+        values = self.controller.layer_coeffs or [self.controller.coeff]  # every layer's lambda
+        lam = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(lam, op=dist.ReduceOp.MAX)
-        if lam[0].item() != -lam[1].item():
+        n = len(values)
+        if not torch.equal(lam[:n], -lam[n:]):
             raise RuntimeError(f"ranks disagree on lambda at step {self.step}: "
-                               f"max {lam[0].item()} vs min {-lam[1].item()}")
+                               f"max {lam[:n].tolist()} vs min {(-lam[n:]).tolist()}")
 
     def save(self) -> Path | None:
         self._check_ranks_agree()
@@ -411,10 +414,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         coeff = self.controller.coeff if self.controller else 0.0
+        layer_coeffs = self.controller.layer_coeffs if self.controller else None
+        self._arm_revival()
         t0 = time.perf_counter()
         self.model.train()
         sums = torch.zeros(4, dtype=torch.float64)  # lm, reg, aux, tokens (per rank)
         counts = None
+        reg_L = None  # per-layer control: sum over micro-batches of each layer's L_reg
         for micro in range(tc.grad_accum):
             input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
             input_ids = input_ids.to(self.device, non_blocking=True)
@@ -422,7 +428,12 @@ class Trainer:
             with (nullcontext() if sync else model.no_sync()), self._autocast():
                 out = model(input_ids=input_ids, labels=input_ids, train_step=step)
                 aux = out.aux
-                loss = out.loss + coeff * aux.reg_loss + aux.aux_loss
+                if layer_coeffs is None:  # the paper: one lambda times the mean over layers
+                    loss = out.loss + coeff * aux.reg_loss + aux.aux_loss
+                else:  # (1/L) sum_l lambda_l * L_reg,l
+                    lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype,
+                                         device=aux.reg_losses_L.device)
+                    loss = out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss
             (loss / tc.grad_accum).backward()
             sums += torch.stack([out.loss.detach().double().cpu(),
                                  aux.reg_loss.detach().double().cpu(),
@@ -430,15 +441,20 @@ class Trainer:
                                  torch.tensor(float(input_ids.numel()), dtype=torch.float64)])
             c = aux.active_counts_LN.detach().double().cpu()
             counts = c if counts is None else counts + c
+            if layer_coeffs is not None:
+                r = aux.reg_losses_L.detach().double().cpu()
+                reg_L = r if reg_L is None else reg_L + r
         # one reduction of everything the step reports
-        packed = torch.cat([sums, counts.flatten()])
+        packed = torch.cat([sums, counts.flatten()] + ([reg_L] if reg_L is not None else []))
         if self.dist.enabled:
             packed = packed.to(self.device)
             dist.all_reduce(packed)
             packed = packed.cpu()
         n_micro = tc.grad_accum * self.dist.world_size
         lm, reg, aux_l, step_tokens = (packed[:4] / torch.tensor([n_micro, n_micro, n_micro, 1])).tolist()
-        counts_LN = packed[4:].view_as(counts)
+        counts_LN = packed[4:4 + counts.numel()].view_as(counts)
+        if reg_L is not None:
+            reg_L = (packed[4 + counts.numel():] / n_micro).tolist()
         if not all(math.isfinite(v) for v in (lm, reg, aux_l)):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"loss became non-finite at step {step + 1} (lm_loss={lm}, "
@@ -455,13 +471,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+        reg_term = (coeff * reg if reg_L is None  # lambda * L_reg as the step's loss used it
+                    else sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L))
         L, N = counts_LN.shape
         tokens_per_layer = step_tokens  # every layer sees every token
         active_pairs = float(counts_LN.sum())
         sparsity = 1.0 - active_pairs / (L * tokens_per_layer * N) if L else 0.0
         layer_sparsity = (1.0 - counts_LN.sum(1) / (tokens_per_layer * N)).tolist() if L else []
         if self.controller is not None:
-            self.controller.update(sparsity)
+            self.controller.update(sparsity, layer_sparsity, counts_LN.tolist())
         step_flops = self.flops.train_flops(int(step_tokens),
                                             self.flops.effective_pairs(active_pairs, int(step_tokens)))
         if self.device.type == "cuda":
@@ -473,13 +491,35 @@ class Trainer:
         self.elapsed += dt
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops, "lr": lr,
-            "loss": lm + coeff * reg + aux_l, "lm_loss": lm, "reg_loss": reg, "aux_loss": aux_l,
+            "loss": lm + reg_term + aux_l, "lm_loss": lm, "reg_loss": reg, "aux_loss": aux_l,
             "lambda": coeff, "sparsity": sparsity, "layer_sparsity": layer_sparsity,
             "expert_counts": counts_LN.tolist(), "active_k": (active_pairs / (L * step_tokens)
                                                               if L else 0.0),
             "step_tokens": int(step_tokens), "grad_norm": grad_norm,
             "tokens_per_s": step_tokens / dt, "elapsed_s": self.elapsed,
+            # experts that received no token in this step, per MoE layer
+            "dead_experts": (counts_LN == 0).sum(1).tolist() if L else [],
+            **self._control_record(layer_coeffs, reg_L),
         }
+
+    def _control_record(self, layer_coeffs, reg_L) -> dict[str, Any]:
+        """Metrics of the sparsity-control options (nothing for the paper's controller)."""
+        rec: dict[str, Any] = {}
+        if layer_coeffs is not None:
+            rec["lambda_layers"] = layer_coeffs  # the coefficients used in this step
+            rec["reg_loss_layers"] = reg_L
+        dead = self.controller.dead_experts() if self.controller else None
+        if dead is not None:
+            rec["reviving"] = [sum(row) for row in dead]  # experts under revival next step
+        return rec
+
+    def _arm_revival(self) -> None:
+        """Hand each ReLU router the experts whose revival hinge is on for this step."""
+        dead = self.controller.dead_experts() if self.controller else None
+        if dead is None:
+            return
+        for router, row in zip(self.relu_routers, dead):
+            router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
 
     def _clip(self) -> float:
         clip = self.cfg.train.grad_clip

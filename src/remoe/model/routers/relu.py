@@ -5,6 +5,8 @@ Legend: T tokens, D model width, N experts (E*G).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,19 +32,70 @@ def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
     return (f_N.detach() * per_expert_N).sum() / T
 
 
+def revival_hinge(logits_TN: Tensor, dead_N: Tensor, target_density: float) -> Tensor:
+    """Pull each dead expert's nearest tokens back across zero: ``mean relu(-z)`` over the
+    ``ceil(T * k/E)`` tokens with the largest pre-activation logit ``z`` of that expert, summed
+    over dead experts.
+
+    A ReLU gate at zero gets no gradient, so an expert whose logits went negative for every
+    token never comes back by itself; this term gives its router row a gradient towards the
+    tokens it is closest to serving, and vanishes as soon as they are active again.
+    """
+    T = logits_TN.shape[0]
+    if T == 0:
+        return zero(logits_TN)
+    m = max(1, min(T, math.ceil(T * target_density)))
+    z_TM = logits_TN[:, dead_N]  # [T, dead]
+    top_mM = z_TM.topk(m, dim=0).values
+    return torch.relu(-top_mM).mean(0).sum()
+
+
 class ReLURouter(Router):
-    """Gates ``ReLU(x W)``: no bias, no normalisation; a token may activate 0..N experts."""
+    """Gates ``ReLU(x W)``: no bias, no normalisation; a token may activate 0..N experts.
+
+    Options (all off by default, which is the paper's router): ``max_active`` caps the experts
+    a token may use (the largest gates are kept); ``gate_threshold`` tau, at inference only,
+    counts gates <= tau as inactive (a compute dial; tau = 0 is the plain ReLU router);
+    :meth:`set_dead_experts` switches on the revival hinge for the given experts.
+    """
 
     uses_adaptive_reg = True
 
     def __init__(self, d_model: int, num_experts: int, target_density: float,
-                 load_balance: bool = True, init_std: float = 0.02) -> None:
+                 load_balance: bool = True, init_std: float = 0.02, max_active: int = 0,
+                 gate_threshold: float = 0.0, revive_coeff: float = 1e-2) -> None:
         super().__init__(d_model, num_experts, init_std)
         self.target_density = target_density  # k/E
         self.load_balance = load_balance
+        self.max_active = max_active if 0 < max_active < num_experts else 0
+        self.gate_threshold = float(gate_threshold)
+        self.revive_coeff = float(revive_coeff)
+        self._dead_N: Tensor | None = None  # experts under revival (set between steps)
+
+    def set_dead_experts(self, dead_N: Tensor | None) -> None:
+        """Experts (bool [N]) whose revival hinge is on until the next call (None: none)."""
+        self._dead_N = dead_N if dead_N is not None and bool(dead_N.any()) else None
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
-        gates_TN = torch.relu(self.logits(x_TD))
+        logits_TN = self.logits(x_TD)
+        gates_TN = torch.relu(logits_TN)
+        if self.max_active:
+            keep_TN = topk_keep(gates_TN, self.max_active)
+            gates_TN = gates_TN * keep_TN
+        if self.gate_threshold > 0 and not self.training:
+            gates_TN = gates_TN * (gates_TN > self.gate_threshold)
         mask_TN = gates_TN > 0
         reg = l1_regularizer(gates_TN, mask_TN, self.target_density, self.load_balance)
-        return Routing(gates_TN, mask_TN, reg, zero(x_TD))
+        aux = zero(x_TD)
+        if self._dead_N is not None and self.training:
+            dead_N = self._dead_N.to(logits_TN.device)
+            with torch.autocast(device_type=x_TD.device.type, enabled=False):
+                z_TN = x_TD.detach().to(logits_TN.dtype) @ self.weight.to(logits_TN.dtype).t()
+            aux = self.revive_coeff * revival_hinge(z_TN, dead_N, self.target_density)
+        return Routing(gates_TN, mask_TN, reg, aux)
+
+
+def topk_keep(gates_TN: Tensor, c: int) -> Tensor:
+    """float {0,1} [T, N]: the ``c`` largest gates of each token (no gradient through the choice)."""
+    idx_TC = gates_TN.detach().topk(c, dim=-1).indices
+    return torch.zeros_like(gates_TN).scatter_(1, idx_TC, 1.0)

@@ -1,0 +1,86 @@
+"""Sparsity-control options (issue 11): PI rule, per-layer lambdas, revival counters, state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from remoe import ReMoEConfig
+from remoe.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
+                            SparsityControl, build_controller)
+
+
+def test_pi_rule_on_a_hand_computed_sequence():
+    # target density k/E = 0.25; kp = 1, ki = 0.25; alpha = 2 so log2(lambda) is the exponent
+    c = LambdaController(0.75, lambda0=1.0, alpha=2.0, rule="pi", kp=1.0, ki=0.25)
+    c.update(0.5)  # e = (0.5 - 0.25)/0.25 = 1; first step: no change term -> 0.25 * 1
+    assert math.log2(c.coeff) == pytest.approx(0.25)
+    c.update(0.7)  # e = 0.2: (0.2 - 1) + 0.25 * 0.2 = -0.75
+    assert math.log2(c.coeff) == pytest.approx(-0.5)
+    c.update(0.0)  # e = 3: 2.8 + 0.75 = 3.55 -> clipped to one full alpha step
+    assert math.log2(c.coeff) == pytest.approx(0.5)
+    c.update(1.0)  # e = -1: (-1 - 3) - 0.25 -> clipped to -1
+    assert math.log2(c.coeff) == pytest.approx(-0.5)
+    assert c.steps == 4
+
+
+def test_pi_rule_saturates_like_the_sign_rule_far_from_target():
+    sign = LambdaController(1 - 1 / 32, lambda0=1e-8, alpha=1.2)
+    pi = LambdaController(1 - 1 / 32, lambda0=1e-8, alpha=1.2, rule="pi")
+    for _ in range(20):  # stage I: a dense model, density 1 vs target 1/32
+        sign.update(0.0)
+        pi.update(0.0)
+    assert pi.coeff == pytest.approx(sign.coeff, rel=1e-12)
+
+
+def test_pi_rule_step_shrinks_with_the_error_near_target():
+    c = LambdaController(0.875, lambda0=1.0, alpha=1.2, rule="pi", kp=0.0, ki=0.25)
+    c.update(0.875 - 0.125 * 0.04)  # density 4% above target -> e = 0.04 -> 0.01 of a step
+    assert math.log(c.coeff) / math.log(1.2) == pytest.approx(0.01)
+
+
+def test_sign_rule_unchanged_and_checkpoint_format_unchanged():
+    c = LambdaController(0.875, lambda0=1e-8, alpha=1.2)
+    for s in (0.1, 0.9, 0.5):
+        c.update(s)
+    assert c.coeff == 1e-8 * 1.2 * (1 / 1.2) * 1.2
+    assert set(c.state_dict()) == {"target_sparsity", "lambda0", "alpha", "value", "steps"}
+
+
+def test_layerwise_controller_drives_each_layer_by_its_own_sparsity():
+    lw = LayerwiseLambdaController([LambdaController(0.75, 1.0, 2.0) for _ in range(3)])
+    lw.update([0.5, 0.9, 0.75])  # too dense -> x2, too sparse -> /2, on target -> unchanged
+    assert lw.coeffs == [2.0, 0.5, 1.0]
+    assert lw.coeff == pytest.approx(3.5 / 3)
+    with pytest.raises(ValueError):
+        lw.update([0.5, 0.5])
+
+
+def test_revival_counts_consecutive_silent_steps():
+    r = ExpertRevival(after=2)
+    assert r.update([[0, 5], [3, 0]]) == [[False, False], [False, False]]
+    assert r.update([[0, 5], [1, 0]]) == [[True, False], [False, True]]
+    assert r.update([[4, 0], [0, 0]]) == [[False, False], [False, True]]
+    assert r.silent == [[0, 1], [1, 3]]
+
+
+def test_sparsity_control_state_round_trip_and_format_guard():
+    cfg = ReMoEConfig.from_preset("micro", num_experts=4, sparsity_control="per_layer",
+                                  lambda_update="pi", revive_after=3)
+    a = build_controller(cfg, 2)
+    for s, ls, counts in [(0.5, [0.4, 0.6], [[1, 0, 2, 0], [0, 0, 1, 1]]),
+                          (0.7, [0.8, 0.6], [[0, 0, 2, 0], [1, 0, 1, 1]])]:
+        a.update(s, ls, counts)
+    b = build_controller(cfg, 2)
+    b.load_state_dict(a.state_dict())
+    assert b.layer_coeffs == a.layer_coeffs and b.revival.silent == a.revival.silent
+    assert b.lam.layers[0].prev_error == a.lam.layers[0].prev_error
+    paper = build_controller(ReMoEConfig.from_preset("micro", num_experts=4), 2)
+    assert isinstance(paper, SparsityControl) and paper.layer_coeffs is None
+    assert set(paper.state_dict()) == {"target_sparsity", "lambda0", "alpha", "value", "steps"}
+    with pytest.raises(ValueError):
+        paper.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError):
+        b.load_state_dict(paper.state_dict())
+    assert build_controller(ReMoEConfig.from_preset("micro", router="topk"), 2) is None

@@ -1,0 +1,92 @@
+"""Sparsity-control options in real training (issue 11): per-layer lambda, PI rule, revival."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from remoe.train.config import load_config
+from remoe.train.trainer import Trainer
+
+OPTIONS = {"model.sparsity_control": "per_layer", "model.lambda_update": "pi",
+           "model.revive_after": 1, "model.lambda0": 1e-3, "model.alpha": 2.0}
+
+
+def read(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_path):
+    cfg = load_config(None, make_overrides(tmp_path, "pl", **OPTIONS))
+    Trainer(cfg, progress=False).train()
+    recs = read(tmp_path / "pl" / "metrics.jsonl")
+    L = len(recs[0]["layer_sparsity"])
+    lam, prev = [1e-3] * L, [None] * L
+    target_density = 1 / 8
+    for r in recs:
+        assert r["lambda_layers"] == pytest.approx(lam, rel=1e-12)
+        assert r["lambda"] == pytest.approx(sum(lam) / L, rel=1e-12)
+        assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"] + sum(
+            a * b for a, b in zip(r["lambda_layers"], r["reg_loss_layers"])) / L)
+        assert r["reg_loss"] == pytest.approx(sum(r["reg_loss_layers"]) / L)
+        assert r["dead_experts"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
+        for l, s in enumerate(r["layer_sparsity"]):  # the PI rule, layer by layer
+            e = ((1 - s) - target_density) / target_density
+            p = e if prev[l] is None else prev[l]
+            lam[l] *= 2.0 ** max(-1.0, min(1.0, 1.0 * (e - p) + 0.25 * e))
+            prev[l] = e
+        assert r["reviving"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
+
+
+def test_options_resume_bit_exact(make_overrides, tmp_path):
+    Trainer(load_config(None, make_overrides(tmp_path, "ref", **OPTIONS)), progress=False).train()
+    cfg = load_config(None, make_overrides(tmp_path, "cut", **OPTIONS))
+    t = Trainer(cfg, progress=False)
+    for _ in range(3):
+        t._log(t.train_step(), None)
+        if t.step % 2 == 0:
+            t.record_masks()
+    t.save()
+    t.metrics.close()
+    t.evals.close()
+    del t
+    Trainer(cfg, resume=True, progress=False).train()
+    drop = ("tokens_per_s", "elapsed_s")
+    ref = [{k: v for k, v in r.items() if k not in drop} for r in read(tmp_path / "ref" / "metrics.jsonl")]
+    got = [{k: v for k, v in r.items() if k not in drop} for r in read(tmp_path / "cut" / "metrics.jsonl")]
+    assert got == ref
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd):
+    import os
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_per_layer_lambda_identical_on_two_ranks(make_overrides, tmp_path):
+    common = {**OPTIONS, "train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
+              "analysis.record_masks_every": 0, "train.num_threads": 1,
+              "train.micro_batch_size": 2}
+    one = make_overrides(tmp_path, "one", **common, **{"train.grad_accum": 2})
+    two = make_overrides(tmp_path, "two", **common)
+    _run([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in one])
+    # every save all-reduces each layer's lambda and fails if the ranks disagree
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+          f"--master_port={_free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
+         + [f"--set={o}" for o in two])
+    a, b = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+    assert len(a) == len(b) == 4
+    assert a[0]["lambda_layers"] == b[0]["lambda_layers"]
+    for ra, rb in zip(a[:2], b[:2]):  # per-layer sparsities summed over ranks: same lambdas
+        assert rb["lambda_layers"] == pytest.approx(ra["lambda_layers"], rel=1e-9)
