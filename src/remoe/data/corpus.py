@@ -11,8 +11,11 @@ Source specs (``DataConfig.sources``):
 Splits are held out at document level: a document goes to validation when
 ``u < val_fraction``, to test when ``u < val_fraction + test_fraction``, else to train, where
 ``u`` in [0, 1) is a blake2b hash of ``(domain, key)`` -- independent of the seed, of the
-other documents and of the machine. A domain of at least three documents always gets at least
-one validation and one test document (its lowest-``u`` train documents are moved over).
+other documents and of the machine. Every domain trains on at least one document (its
+highest-``u`` one when the hash sent them all to held-out splits); a domain of two documents
+always gets one validation document and one of at least three documents always gets at least
+one validation and one test document (its lowest-``u`` train documents are moved over), unless
+the fraction is 0.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Iterable, Iterator
 from remoe.data._io import atomic_open, stable_hash, stable_unit
 from remoe.data.builtin import BUILTIN_DOMAINS, BuiltinSource, builtin_sources
 from remoe.data.documents import SPLITS, Document
+from remoe.data.errors import DataNotFoundError
 from remoe.data.userdata import read_user_source
 
 log = logging.getLogger("remoe.data")
@@ -145,7 +149,8 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
     """Read every source spec into a :class:`Corpus` within the per-domain byte budget.
 
     Missing built-in sources are logged as warnings with their install command; raises
-    FileNotFoundError if nothing at all was found.
+    :class:`DataNotFoundError` (a ConfigError and a FileNotFoundError) naming the sources if
+    nothing at all was found.
     """
     specs = [parse_source(s) for s in sources]
     budget = _Budget(max_bytes_per_domain)
@@ -183,7 +188,8 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
         if missing:
             cmds = sorted({s.install for s in builtin_sources() if s.name in missing})
             hint = " Install a built-in source: " + "; ".join(cmds)
-        raise FileNotFoundError(f"no documents found in data sources {list(sources)}.{hint}")
+        raise DataNotFoundError(f"no documents found in data sources {list(sources)} (no "
+                                f"non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz document).{hint}")
     if budget.duplicates:
         log.info("dropped %d exact duplicate documents", budget.duplicates)
     docs = {dom: sorted(ds, key=lambda d: d.key) for dom, ds in sorted(budget.docs.items())}
@@ -207,15 +213,19 @@ def assign_splits(docs: dict[str, list[Document]], val_fraction: float,
         us = [split_unit(dom, d.key) for d in ranked]
         labels = ["validation" if u < val_fraction
                   else "test" if u < val_fraction + test_fraction else "train" for u in us]
-        if len(ranked) >= 3:
-            for need, frac in (("validation", val_fraction), ("test", test_fraction)):
-                if frac <= 0 or need in labels:
-                    continue
-                # move the lowest-u document of the largest other split (train, normally)
-                counts = {s: labels.count(s) for s in SPLITS}
-                donor = max((s for s in SPLITS if s != need and counts[s] > 1),
-                            key=lambda s: (counts[s], s == "train"))
-                labels[labels.index(donor)] = need
+        if "train" not in labels:  # every domain trains on at least one document
+            labels[-1] = "train"  # the highest-u one, the nearest to being train already
+        needs = (("validation", val_fraction), ("test", test_fraction)) if len(ranked) >= 3 else (
+            (("validation", val_fraction),) if len(ranked) == 2 else ())
+        for need, frac in needs:
+            if frac <= 0 or need in labels:
+                continue
+            # move the lowest-u document of the largest other split (train, normally)
+            counts = {s: labels.count(s) for s in SPLITS}
+            donor = max((s for s in SPLITS if s != need and (
+                counts[s] > 1 or (len(ranked) == 2 and s == "test" and counts[s]))),
+                key=lambda s: (counts[s], s == "train"))
+            labels[labels.index(donor)] = need
         for d, lab in zip(ranked, labels):
             out[lab].append(d)
     for s in SPLITS:

@@ -24,6 +24,7 @@ never mistaken for a finished one. A file lock serialises concurrent builds (e.g
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -44,6 +45,7 @@ from remoe.data._io import atomic_write_json, read_json, sha256_bytes, sha256_fi
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
 from remoe.data.corpus import Corpus, assign_splits, collect_corpus, iter_documents, write_documents
 from remoe.data.documents import SPLITS, Document
+from remoe.data.errors import DataError, DataNotFoundError
 from remoe.data.sampler import TrainBatches, eval_batches
 from remoe.data.store import Batch, TokenStore
 
@@ -60,14 +62,63 @@ def _key(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
+LOCK_FILE = ".lock"
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _lock_holder(fd: int) -> str:
+    """The PID the lock holder wrote into the lock file ("?" if none yet)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return text if text.isdigit() else "?"
+
+
 @contextlib.contextmanager
-def _locked(cache: Path) -> Iterator[None]:
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+def _locked(cache: Path) -> Iterator[bool]:
+    """Hold the cache's lock while building or verifying; yields whether the cache is writable.
+
+    A writable cache is locked exclusively and the holder's PID written into ``.lock``; a
+    process that has to wait says so at once, naming that PID. A read-only cache (read-only
+    file system or no write permission) is only read: a shared lock on an existing ``.lock``
+    opened read-only, or no lock at all when there is none.
+    """
+    path = cache / LOCK_FILE
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+b")
+        writable = True
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        writable = False
         try:
-            yield
+            fh = open(path, "rb")
+        except OSError:
+            fh = None
+    if fh is None:
+        log.info("data cache %s is read-only and has no lock file: reading it unlocked", cache)
+        yield False
+        return
+    with fh:
+        mode = fcntl.LOCK_EX if writable else fcntl.LOCK_SH
+        try:
+            fcntl.flock(fh.fileno(), mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for the lock held by PID %s on %s", _lock_holder(fh.fileno()),
+                        path)
+            fcntl.flock(fh.fileno(), mode)
+        try:
+            if writable:
+                fh.truncate(0)
+                fh.write(f"{os.getpid()}\n".encode("ascii"))
+                fh.flush()
+            yield writable
         finally:
+            if writable:
+                with contextlib.suppress(OSError):
+                    fh.truncate(0)
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
@@ -109,11 +160,40 @@ class DataBundle:
         return self._stores[name]
 
     def train_batches(self, seq_len: int, micro_batch: int, grad_accum: int = 1,
-                      world_size: int = 1, seed: int | None = None) -> TrainBatches:
+                      world_size: int = 1, seed: int | None = None, *,
+                      require_validation: bool = True) -> TrainBatches:
         """A :class:`TrainBatches` sampler over the train split (``seed`` defaults to the
-        config's)."""
-        return TrainBatches(self.split("train"), seq_len, micro_batch, grad_accum, world_size,
-                            self.seed if seed is None else seed)
+        config's).
+
+        Training evaluates on the validation split, so by default this also checks that
+        validation has at least one chunk of ``seq_len + 1`` tokens (:meth:`check_eval_split`):
+        a run that cannot measure its validation loss fails here, before any model work,
+        instead of writing a NaN ``val_loss`` at its end.
+        """
+        sampler = TrainBatches(self.split("train"), seq_len, micro_batch, grad_accum, world_size,
+                               self.seed if seed is None else seed)
+        if require_validation:
+            self.check_eval_split("validation", seq_len)
+        return sampler
+
+    def check_eval_split(self, split: str, seq_len: int) -> None:
+        """Raise :class:`DataError` if ``split`` has no chunk of ``seq_len + 1`` tokens; warn
+        (with counts) about domains that have none and so are not evaluated."""
+        store = self.split(split)
+        table = store.chunks(seq_len)
+        if len(table) == 0:
+            raise DataError(
+                f"the {split} split has no chunk of {seq_len + 1} tokens ({store.num_docs} "
+                f"documents, {store.num_tokens} tokens, per domain "
+                f"{store.tokens_per_domain() or '{}'}), so no {split} loss can be measured: use "
+                f"a shorter train.seq_len, more or longer documents, or a larger "
+                f"data.val_fraction")
+        present = set(table.domain_ids.tolist())
+        missing = [d for i, d in enumerate(store.domains) if i not in present]
+        if missing:
+            log.warning("the %s split has no chunk of %d tokens in %d of %d domains (%s): "
+                        "they are not evaluated", split, seq_len + 1, len(missing),
+                        len(store.domains), ", ".join(missing))
 
     def eval_batches(self, split: str, seq_len: int, batch_size: int,
                      max_chunks_per_domain: int | None = None) -> Iterator[Batch]:
@@ -205,6 +285,7 @@ def _corpus_stage(cfg: DataConfig, cache: Path, old: dict[str, Any] | None,
     corpus = collect_corpus(cfg.sources, cfg.max_bytes_per_domain)
     fps = corpus.fingerprints()
     splits = assign_splits(corpus.docs, cfg.val_fraction, cfg.test_fraction)
+    _check_splits(cfg, corpus, splits)
     key = _key({"format": FORMAT_VERSION, "fingerprints": fps, "val": cfg.val_fraction,
                 "test": cfg.test_fraction})
     split_stats = {s: {} for s in SPLITS}
@@ -239,6 +320,29 @@ def _corpus_stage(cfg: DataConfig, cache: Path, old: dict[str, Any] | None,
         "licences": corpus.licences,
     }
     return entry, splits, corpus
+
+
+def _check_splits(cfg: DataConfig, corpus: Corpus, splits: dict[str, list[Document]]) -> None:
+    """Refuse splits that training cannot use; warn (with counts) about thin ones."""
+    n = sum(len(v) for v in corpus.docs.values())
+    where = f"{n} document(s) in {len(corpus.docs)} domain(s) from {list(cfg.sources)}"
+    if not splits["train"]:  # assign_splits gives every domain a train document
+        raise DataError(f"the train split is empty ({where})")
+    single = [d for d in corpus.domains if len(corpus.docs[d]) < 2]
+    if not splits["validation"]:
+        if cfg.val_fraction > 0:
+            raise DataError(
+                f"the validation split is empty: {where} are too few (a domain needs >= 2 "
+                f"documents to give one to validation besides train): add documents (e.g. "
+                f"split a large file into several) or use a source with more of them")
+        log.warning("data.val_fraction=0: there is no validation split (`remoe train` needs one)")
+    elif single and cfg.val_fraction > 0:
+        log.warning("%d of %d domains have a single document, used for train only (no "
+                    "validation loss for them): %s", len(single), len(corpus.docs),
+                    ", ".join(single))
+    if not splits["test"] and cfg.test_fraction > 0:
+        log.warning("the test split is empty: %s are too few (a domain needs >= 3 documents "
+                    "to give one to test)", where)
 
 
 def _tokenizer_training_docs(train: list[Document], cap: int) -> list[Document]:
@@ -368,47 +472,154 @@ def _tokens_stage(cache: Path, corpus_key: str, tok_entry: dict[str, Any], tok: 
             "dtype": dtype.name, "splits": {s: entries[s] for s in SPLITS}}
 
 
+def _is_file_entry(v: Any) -> bool:
+    return (isinstance(v, dict) and isinstance(v.get("sha256"), str)
+            and isinstance(v.get("bytes"), int) and not isinstance(v.get("bytes"), bool))
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def manifest_problem(m: Any) -> str | None:
+    """What is malformed in a parsed ``manifest.json`` (None if its structure is sound).
+
+    Only the structure is checked here (every field the pipeline reads has the right type);
+    whether the files match it is checked against their sizes and sha256 afterwards. The
+    ``tokenizer`` and ``tokens`` entries may be missing (a build interrupted after the corpus).
+    """
+    if not isinstance(m, dict):
+        return f"it is a JSON {type(m).__name__}, not an object"
+    if m.get("format_version") != FORMAT_VERSION:
+        return f"format version {m.get('format_version')!r} (expected {FORMAT_VERSION})"
+    if not _is_str_list(m.get("domains")):
+        return "'domains' is not a list of names"
+    c = m.get("corpus")
+    if not isinstance(c, dict):
+        return "'corpus' is not an object"
+    if not isinstance(c.get("key"), str) or not _is_str_list(c.get("domains")):
+        return "'corpus' has no key or domain list"
+    if not isinstance(c.get("fingerprints"), dict):
+        return "'corpus.fingerprints' is not an object"
+    if not isinstance(c.get("files"), dict) or not all(
+            _is_file_entry(v) for v in c["files"].values()):
+        return "'corpus.files' is not a map of {sha256, bytes}"
+    cs = c.get("splits")
+    if not isinstance(cs, dict) or not all(isinstance(cs.get(x), dict) for x in SPLITS):
+        return "'corpus.splits' does not have the three splits"
+    t = m.get("tokenizer")
+    if t is not None:
+        if not isinstance(t, dict) or not all(isinstance(t.get(k), str) for k in (
+                "key", "sha256", "source", "eos_token")) or not all(
+                isinstance(t.get(k), int) and not isinstance(t.get(k), bool)
+                for k in ("vocab_size", "eos_id")):
+            return "'tokenizer' does not have key, sha256, source, vocab_size, eos_token, eos_id"
+    k = m.get("tokens")
+    if k is not None:
+        if t is None:
+            return "'tokens' without 'tokenizer'"
+        if not isinstance(k, dict) or not all(isinstance(k.get(x), str) for x in (
+                "key", "corpus", "tokenizer")):
+            return "'tokens' does not have key, corpus and tokenizer"
+        ks = k.get("splits")
+        if not isinstance(ks, dict):
+            return "'tokens.splits' is not an object"
+        for x in SPLITS:
+            e = ks.get(x)
+            if not isinstance(e, dict) or not isinstance(e.get("files"), dict) or not all(
+                    _is_file_entry(e["files"].get(w)) for w in _store.TOKEN_FILES):
+                return f"'tokens.splits.{x}' does not list its three files"
+            if not isinstance(e.get("docs_per_domain"), dict) or not isinstance(
+                    e.get("tokens_per_domain"), dict):
+                return f"'tokens.splits.{x}' has no per-domain sizes"
+    return None
+
+
+def _read_manifest(cache: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)`` or ``(None, why it cannot be used)``; (None, None) if absent."""
+    path = cache / MANIFEST
+    if not path.exists():
+        return None, None
+    m = read_json(path)
+    if m is None:
+        return None, "manifest.json is not readable JSON"
+    if isinstance(m, dict) and m.get("format_version") != FORMAT_VERSION:
+        return None, (f"manifest.json has format version {m.get('format_version')!r} "
+                      f"(expected {FORMAT_VERSION})")
+    problem = manifest_problem(m)
+    if problem is not None:
+        return None, f"manifest.json is malformed ({problem})"
+    return m, None
+
+
+def _not_writable(cache: Path, e: OSError) -> DataError:
+    where = f"{e.strerror or e}: {e.filename}" if e.filename else f"{e.strerror or e}"
+    if e.errno == errno.ENOSPC:
+        return DataError(f"disk full while writing the data cache {cache} ({where}); free "
+                         "space or set data.cache_dir to another disk")
+    return DataError(f"data cache {cache} must be (re)built but is not writable ({where}): "
+                     "make it writable, run `remoe data` where it is, or set data.cache_dir "
+                     "to a writable directory")
+
+
 def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True) -> DataBundle:
-    """Build (or reuse from ``cfg.cache_dir``) the corpus, tokenizer and token stores."""
+    """Build (or reuse from ``cfg.cache_dir``) the corpus, tokenizer and token stores.
+
+    Raises :class:`DataError` (a one-line ``ConfigError``) when the input cannot give usable
+    data: no documents, a corrupt or binary source file, an empty train or validation split,
+    or a cache that needs building but is read-only (a complete one is read without writing).
+    """
     cfg = (cfg or DataConfig()).validate()
     cache = Path(cfg.cache_dir)
     rep = _Reporter(progress)
     with _locked(cache):
-        manifest = read_json(cache / MANIFEST)
-        if manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
-            log.warning("data cache %s has format version %r (expected %d); rebuilding", cache,
-                        manifest.get("format_version"), FORMAT_VERSION)
-            manifest = None
-        if manifest is None and (cache / "tokens").exists():
-            log.warning("data cache %s has files but no readable manifest; rebuilding", cache)
-        old = manifest or {}
+        try:
+            return _prepare_locked(cfg, cache, rep, progress)
+        except OSError as e:
+            if isinstance(e, DataError) or e.errno not in _NOT_WRITABLE + (errno.ENOSPC,):
+                raise
+            in_cache = e.filename is None or Path(os.path.abspath(e.filename)).is_relative_to(
+                Path(os.path.abspath(cache)))
+            if not in_cache and e.errno != errno.ENOSPC:
+                raise  # e.g. an unreadable source file: not the cache's fault
+            raise _not_writable(cache, e) from None
 
-        corpus_entry, splits, corpus = _corpus_stage(cfg, cache, old.get("corpus"), rep)
-        domains = corpus_entry["domains"]
-        new: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
-            "config": {"sources": list(cfg.sources), "max_bytes_per_domain":
-                       cfg.max_bytes_per_domain, "val_fraction": cfg.val_fraction,
-                       "test_fraction": cfg.test_fraction, "vocab_size": cfg.vocab_size,
-                       "tokenizer": cfg.tokenizer,
-                       "tokenizer_train_bytes": cfg.tokenizer_train_bytes},
-            "domains": domains,
-            "corpus": corpus_entry,
-        }
-        if old.get("corpus") != corpus_entry:
-            # the old tokenizer/token entries describe another corpus: drop them before the
-            # corpus files they do not match are recorded
-            atomic_write_json(cache / MANIFEST, new)
 
-        tok_entry, tok = _tokenizer_stage(cfg, cache, corpus_entry["key"], splits["train"],
-                                          old.get("tokenizer"), rep, progress)
-        new["tokenizer"] = tok_entry
-        tokens_entry = _tokens_stage(cache, corpus_entry["key"], tok_entry, tok, splits, domains,
-                                     old.get("tokens"), rep, progress)
-        new["tokens"] = tokens_entry
-        if new != manifest:
-            atomic_write_json(cache / MANIFEST, new)
-        rep.say("data ready")
+def _prepare_locked(cfg: DataConfig, cache: Path, rep: _Reporter, progress: bool) -> DataBundle:
+    manifest, why = _read_manifest(cache)
+    if why is not None:
+        log.warning("data cache %s: %s; treating the cache as corrupt and rebuilding it",
+                    cache, why)
+    elif manifest is None and (cache / "tokens").exists():
+        log.warning("data cache %s has files but no manifest; rebuilding", cache)
+    old = manifest or {}
+
+    corpus_entry, splits, corpus = _corpus_stage(cfg, cache, old.get("corpus"), rep)
+    domains = corpus_entry["domains"]
+    new: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "config": {"sources": list(cfg.sources), "max_bytes_per_domain":
+                   cfg.max_bytes_per_domain, "val_fraction": cfg.val_fraction,
+                   "test_fraction": cfg.test_fraction, "vocab_size": cfg.vocab_size,
+                   "tokenizer": cfg.tokenizer,
+                   "tokenizer_train_bytes": cfg.tokenizer_train_bytes},
+        "domains": domains,
+        "corpus": corpus_entry,
+    }
+    if old.get("corpus") != corpus_entry:
+        # the old tokenizer/token entries describe another corpus: drop them before the
+        # corpus files they do not match are recorded
+        atomic_write_json(cache / MANIFEST, new)
+
+    tok_entry, tok = _tokenizer_stage(cfg, cache, corpus_entry["key"], splits["train"],
+                                      old.get("tokenizer"), rep, progress)
+    new["tokenizer"] = tok_entry
+    tokens_entry = _tokens_stage(cache, corpus_entry["key"], tok_entry, tok, splits, domains,
+                                 old.get("tokens"), rep, progress)
+    new["tokens"] = tokens_entry
+    if new != manifest:
+        atomic_write_json(cache / MANIFEST, new)
+    rep.say("data ready")
     return _bundle(cache, new, tok, cfg.seed)
 
 
@@ -425,13 +636,15 @@ def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, veri
     """Open a cache built by :func:`prepare_data` without reading the sources.
 
     With ``verify`` (default) every file is checked against the sha256 in the manifest;
-    without it only existence and sizes are. Raises FileNotFoundError / ValueError if the
-    cache is incomplete or corrupt (run ``prepare_data`` / ``remoe data`` to rebuild it).
+    without it only existence and sizes are. Raises FileNotFoundError (also a DataError) if
+    the cache is incomplete or its manifest malformed, ValueError if a file is corrupt (run
+    ``prepare_data`` / ``remoe data`` to rebuild it).
     """
     cache = Path(cache_dir)
-    manifest = read_json(cache / MANIFEST)
-    if not manifest or manifest.get("format_version") != FORMAT_VERSION or "tokens" not in manifest:
-        raise FileNotFoundError(f"no complete data cache in {cache} (run `remoe data`)")
+    manifest, why = _read_manifest(cache)
+    if manifest is None or "tokens" not in manifest:
+        raise DataNotFoundError(f"no complete data cache in {cache}"
+                                f"{' (' + why + ')' if why else ''} (run `remoe data`)")
     tok_path = cache / TOKENIZER_FILE
     files = dict(manifest["corpus"]["files"])
     files[TOKENIZER_FILE] = {"sha256": manifest["tokenizer"]["sha256"],

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
+from remoe.data.errors import DataError
 from remoe.data.store import Batch, ChunkTable, TokenStore
 
 
@@ -44,7 +45,7 @@ class TrainBatches:
         self.seed = int(seed)
         self.table: ChunkTable = store.chunks(self.seq_len)
         if len(self.table) == 0:
-            raise ValueError(
+            raise DataError(
                 f"split {store.name!r} has no chunk of {self.seq_len + 1} tokens "
                 f"({store.num_tokens} tokens in total): use a shorter seq_len or more data")
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()

@@ -5,19 +5,24 @@
 * ``.jsonl`` / ``.jsonl.zst`` / ``.jsonl.gz``: one document per line,
   ``{"text": ..., "meta": {"pile_set_name": ...}}``; a record without a set name gets the
   domain given in the spec or ``"unknown"``. A spec name overrides the set names.
+
+Bad input is never used silently: a binary ``.txt`` or a truncated/corrupt compressed file is
+a :class:`~remoe.data.errors.DataError` naming the file; skipped records, invalid UTF-8 and
+Latin-1 fallbacks are warnings with counts.
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import logging
 import os
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
 from remoe.data.documents import Document, decode_text, normalize_text
+from remoe.data.errors import DataError, DataNotFoundError
 
 log = logging.getLogger("remoe.data")
 
@@ -31,23 +36,73 @@ def is_data_file(path: Path) -> bool:
     return name.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
 
 
-def _open_jsonl(path: Path) -> IO[str]:
-    name = path.name.lower()
-    if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError as e:  # pragma: no cover - zstandard is a dependency
-            raise RuntimeError(f"reading {path} needs the zstandard package "
-                               "(pip install zstandard)") from e
-        fh = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True,
-                                                            closefd=True)
-        return io.TextIOWrapper(io.BufferedReader(reader), encoding="utf-8", errors="replace",
-                                newline="\n")
-    if name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace",
-                                newline="\n")
-    return open(path, encoding="utf-8", errors="replace", newline="\n")
+_READ_CHUNK = 1 << 20
+#: control bytes that never occur in text (C0 minus tab, newlines, form feed, escape; DEL)
+_C0 = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
+_C1 = bytes(range(0x80, 0xA0))
+#: a .txt file with more control bytes than this share is binary (text has about none; random or
+#: compressed bytes ~10 %, UTF-16 ~50 % NULs); below it, NULs are dropped with a warning
+MAX_CONTROL_FRACTION = 0.01
+
+
+def _zst_chunks(fh: IO[bytes]) -> Iterator[bytes]:
+    """Decompressed bytes of a (multi-frame) zstd stream; raises DataError-ready errors.
+
+    Unlike ``stream_reader``, a stream that ends inside a frame raises instead of ending early.
+    """
+    try:
+        import zstandard
+    except ImportError as e:  # pragma: no cover - zstandard is a dependency
+        raise DataError(f"reading {fh.name} needs the zstandard package "
+                        "(pip install zstandard)") from e
+    dctx = zstandard.ZstdDecompressor()
+    dobj = dctx.decompressobj()
+    in_frame = False  # bytes of the current frame were fed but its end was not seen yet
+    while True:
+        buf = fh.read(_READ_CHUNK)
+        if not buf:
+            break
+        while buf:
+            out = dobj.decompress(buf)
+            in_frame = True
+            if out:
+                yield out
+            if dobj.eof:  # frame complete: the rest of buf starts the next one
+                buf = dobj.unused_data
+                dobj = dctx.decompressobj()
+                in_frame = False
+            else:
+                buf = b""
+    if in_frame:
+        raise EOFError("the stream ends inside a zstd frame (truncated file)")
+
+
+def _gz_chunks(fh: IO[bytes]) -> Iterator[bytes]:
+    with gzip.GzipFile(fileobj=fh, mode="rb") as g:
+        while True:
+            buf = g.read(_READ_CHUNK)
+            if not buf:
+                return
+            yield buf
+
+
+def _plain_chunks(fh: IO[bytes]) -> Iterator[bytes]:
+    while True:
+        buf = fh.read(_READ_CHUNK)
+        if not buf:
+            return
+        yield buf
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [OSError, EOFError, zlib.error]
+    try:
+        import zstandard
+
+        errs.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
 
 
 def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
@@ -55,37 +110,110 @@ def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
     """Documents of a Pile-format JSONL file (optionally zstd/gzip compressed), in file order.
 
     Keys are ``<key_prefix or file name>:<line number>``. Malformed lines are skipped with a
-    warning that names the file and line.
+    warning that names the file and line, and a count at the end; lines that are not valid
+    UTF-8 are decoded with U+FFFD replacements, also counted in a warning. A compressed file
+    that is truncated or corrupt raises :class:`DataError` naming the file and how far it got
+    (never silently used in part).
     """
     path = Path(path)
     prefix = key_prefix if key_prefix is not None else path.name
-    bad = 0
-    with _open_jsonl(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
+    name = path.name.lower()
+    kind, chunks = (("zstd", _zst_chunks) if name.endswith(".zst") else
+                    ("gzip", _gz_chunks) if name.endswith(".gz") else ("jsonl", _plain_chunks))
+    bad = bad_utf8 = lineno = docs = 0
+    nbytes = 0
+    with open(path, "rb") as fh:
+        stream = chunks(fh)
+        pending = b""
+        while True:
             try:
-                rec = json.loads(line)
-                text = rec["text"]
-                if not isinstance(text, str):
-                    raise TypeError("'text' is not a string")
-            except (ValueError, KeyError, TypeError) as e:
-                bad += 1
-                if bad <= 5:
-                    log.warning("%s:%d: skipping malformed record (%s)", path, lineno, e)
-                continue
-            meta = rec.get("meta") if isinstance(rec, dict) else None
-            set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
-            dom = domain or (str(set_name) if set_name else UNKNOWN_DOMAIN)
-            yield Document(dom, f"{prefix}:{lineno}", normalize_text(text))
-    if bad > 5:
-        log.warning("%s: %d malformed records skipped in total", path, bad)
+                buf = next(stream, None)
+            except _stream_errors() as e:
+                raise DataError(
+                    f"{path}: corrupt or truncated {kind} data after {lineno:,} lines "
+                    f"({docs:,} documents, {nbytes:,} bytes decompressed): {e}; "
+                    "repair or remove the file") from None
+            if buf is None:
+                lines, pending = ([pending] if pending else []), b""
+            else:
+                nbytes += len(buf)
+                lines = (pending + buf).split(b"\n")
+                pending = lines.pop()
+            for raw in lines:
+                lineno += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    bad_utf8 += 1
+                    line = raw.decode("utf-8", errors="replace")
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                    text = rec["text"]
+                    if not isinstance(text, str):
+                        raise TypeError("'text' is not a string")
+                except (ValueError, KeyError, TypeError) as e:
+                    bad += 1
+                    if bad <= 5:
+                        log.warning("%s:%d: skipping malformed record (%s)", path, lineno, e)
+                    continue
+                meta = rec.get("meta") if isinstance(rec, dict) else None
+                set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
+                dom = domain or (str(set_name) if set_name else UNKNOWN_DOMAIN)
+                docs += 1
+                yield Document(dom, f"{prefix}:{lineno}", normalize_text(text))
+            if buf is None:
+                break
+    if bad:
+        log.warning("%s: skipped %d malformed of %d records (%d documents read)", path, bad,
+                    bad + docs, docs)
+    if bad_utf8:
+        log.warning("%s: %d of %d lines were not valid UTF-8 (invalid bytes replaced by U+FFFD)",
+                    path, bad_utf8, lineno)
 
 
-def read_text_file(path: Path, domain: str | None, key: str) -> Document:
-    return Document(domain or path.parent.name or UNKNOWN_DOMAIN, key,
-                    decode_text(path.read_bytes()))
+def text_file_problem(data: bytes) -> str | None:
+    """Why ``data`` is not a text file (too many control bytes / NULs), or None if it is one."""
+    if not data:
+        return None
+    n = len(data)
+    c0 = n - len(data.translate(None, _C0))
+    try:
+        data.decode("utf-8")
+        c1 = 0
+    except UnicodeDecodeError:  # read as Latin-1: C1 controls are not text there either
+        c1 = n - len(data.translate(None, _C1))
+    if c0 + c1 > MAX_CONTROL_FRACTION * n:
+        nul = data.count(b"\x00")
+        return (f"looks binary: {c0 + c1:,} of {n:,} bytes are control characters "
+                f"({nul:,} NUL; text files have < {MAX_CONTROL_FRACTION:.0%})")
+    return None
+
+
+def read_text_file(path: Path, domain: str | None, key: str,
+                   stats: dict[str, int] | None = None) -> Document:
+    """One ``.txt`` document; a binary file raises :class:`DataError`.
+
+    ``stats`` counts files read as Latin-1 (``latin1``) and dropped NUL bytes (``nul``).
+    """
+    data = path.read_bytes()
+    problem = text_file_problem(data)
+    if problem is not None:
+        raise DataError(f"data file {path} {problem}; remove it from the source or give "
+                        "only text files")
+    if stats is not None:
+        body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            stats["latin1"] = stats.get("latin1", 0) + 1
+        nul = data.count(b"\x00")
+        if nul:
+            stats["nul"] = stats.get("nul", 0) + nul
+            log.warning("%s: dropped %d NUL bytes", path, nul)
+    return Document(domain or path.parent.name or UNKNOWN_DOMAIN, key, decode_text(data))
 
 
 def read_user_source(path: str | os.PathLike[str], domain: str | None = None) -> Iterator[Document]:
@@ -96,7 +224,7 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None) ->
     """
     root = Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"data source {str(root)!r} does not exist")
+        raise DataNotFoundError(f"data source {str(root)!r} does not exist")
     base = root.resolve().parent
     if root.is_file():
         files = [root]
@@ -110,11 +238,18 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None) ->
                     files.append(p)
         if not files:
             log.warning("data source %s contains no .txt/.jsonl/.jsonl.zst files", root)
+    stats: dict[str, int] = {}
+    n_txt = 0
     for p in files:
         rel = p.resolve().relative_to(base).as_posix()
         if p.name.lower().endswith(JSONL_SUFFIXES):
             yield from read_jsonl(p, domain=domain, key_prefix=rel)
         elif p.name.lower().endswith(TEXT_SUFFIXES):
-            yield read_text_file(p, domain, rel)
+            n_txt += 1
+            yield read_text_file(p, domain, rel, stats)
         else:
-            raise ValueError(f"unsupported data file {p} (expected .txt, .jsonl, .jsonl.zst)")
+            raise DataError(f"unsupported data file {p} (expected .txt, .jsonl, .jsonl.zst, "
+                            ".jsonl.gz)")
+    if stats.get("latin1"):
+        log.warning("data source %s: %d of %d .txt files are not valid UTF-8 and were read as "
+                    "Latin-1", root, stats["latin1"], n_txt)
