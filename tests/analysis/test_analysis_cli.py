@@ -162,3 +162,100 @@ def test_report(remoe_run, topk_run, eval_npz, tmp_path):
         assert text in html
     # the comparison table lists both runs' validation loss (3.9)
     assert len(re.findall(r"3\.9000", html)) >= 2
+
+
+def test_misspelt_analysis_is_named(remoe_run, capsys):
+    assert cli("analyze", ["stagez", str(remoe_run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unknown analysis 'stagez' (did you mean stages?)" in err
+    assert "not a directory" not in err
+    with pytest.raises(ConfigError, match=r"'flipz' \(did you mean flips\?\)"):
+        parse_items(["stages,flipz", str(remoe_run)], None)
+    with pytest.raises(ConfigError, match=r"did you mean heatmap"):
+        parse_items([str(remoe_run)], "heatmpa")
+    # a missing run directory is still reported as such
+    with pytest.raises(ConfigError, match="not a directory"):
+        cli_items = parse_items(["runs/nosuch"], None)[1]
+        Run(cli_items[0])
+
+
+def _capture_figures(monkeypatch):
+    """Record every figure the analyses save: file name -> all its texts."""
+    from remoe.analysis import plots
+
+    texts: dict[str, str] = {}
+    real = plots.save_png
+
+    def save(fig, path):
+        found = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+        found += [c.get_text().get_text() for ax in fig.axes for tab in ax.tables
+                  for c in tab.get_celld().values()]
+        texts[path.name] = "\n".join(x for x in found if isinstance(x, str))
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save_png", save)
+    return texts
+
+
+def test_figures_say_which_layers_and_statistic(remoe_run, eval_npz, tmp_path, monkeypatch):
+    texts = _capture_figures(monkeypatch)
+    rc = cli("analyze", ["specialization,allocation", str(remoe_run), "--data", str(eval_npz),
+                         "--min-count", "2", "--layers", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    note = "only layers 1 of MoE layers 0-1 shown (chosen with --layers)"
+    assert note in texts["specialization.png"] and note in texts["top_tokens_layer1.png"]
+    assert "top_tokens_layer0.png" not in texts
+    top = texts["top_tokens_layer1.png"]
+    assert "share of the expert's tokens" in top and "lift" in top and "×" in top
+    rows = read_csv(tmp_path / "top_tokens.csv")
+    assert rows and all(float(r["lift"]) > 1 for r in rows)
+    for r in rows:
+        assert float(r["lift"]) == pytest.approx(float(r["share"]) / float(r["base"]), rel=1e-4)
+    # within an expert, ranked by share - base frequency
+    by = {}
+    for r in rows:
+        by.setdefault(r["expert"], []).append(float(r["share"]) - float(r["base"]))
+    assert all(v == sorted(v, reverse=True) for v in by.values())
+    al = json.loads((tmp_path / "allocation.json").read_text())
+    assert al["layers_plotted"] == [1] and al["num_layers"] == 2
+
+
+def test_allocation_annotation_is_outside_the_data():
+    from remoe.analysis.plots import fig_token_allocation
+
+    n = 60
+    table = {"token_id": np.arange(n), "mean_active": np.linspace(3, 1, n),
+             "frequency": np.geomspace(1e-2, 1e-4, n)}
+    fig = fig_token_allocation(table, lambda i: f"tok{i}", 0.5, 1, "t")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    (note,) = [t for a in fig.axes for t in a.texts if "most experts" in t.get_text()]
+    box = note.get_window_extent()
+    assert box.y1 <= ax.get_window_extent().y0  # below the axes: no data point can cover it
+    assert box.x0 >= 0 and box.y0 >= 0  # still on the canvas
+
+
+def test_stages_reports_the_last_excursion(tmp_path, synth, capsys):
+    run = synth.make_run(tmp_path, "exc", with_model=False)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for r in recs:  # in the band from 61, out of it for steps 80-90, back in from 91
+        if 80 <= r["step"] <= 90:
+            r["sparsity"] = synth.TARGET - 0.06
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert cli("analyze", ["stages", str(run), "--smooth", "1"]) == 0
+    st = json.loads((run / "analysis" / "stages.json").read_text())
+    assert st["settle_step"] == 91 and st["band_excursions"] == [[80, 90]]
+    assert st["stage3_steps"] == synth.NUM_STEPS - 90
+    out = capsys.readouterr().out
+    assert "stage III from 91" in out and "last at steps 80-90" in out
+    # the trainer's end-of-run summary uses the same detection (same defaults)
+    from types import SimpleNamespace
+
+    from remoe.train.trainer import Trainer
+
+    fake = SimpleNamespace(controller=object(), dist=SimpleNamespace(is_main=True), run_dir=run,
+                           model_cfg=SimpleNamespace(target_sparsity=synth.TARGET))
+    assert cli("analyze", ["stages", str(run)]) == 0  # the defaults, as the trainer
+    st = json.loads((run / "analysis" / "stages.json").read_text())
+    assert Trainer._stages(fake).settle_step == st["settle_step"] > 90

@@ -75,11 +75,39 @@ def test_token_table_and_top_tokens():
     assert t["count"].tolist() == [2, 2, 2] and np.allclose(t["frequency"], 1 / 3)
     assert np.allclose(t["layer_active"], [[3, 1], [2, 1], [1, 1]])
     top = s.top_tokens(0, top=5, min_count=2)
-    # expert 1 of layer 0: P = 1 for tokens 2 and 3 (ties -> lower id first), 0 for token 1
+    # expert 1 of layer 0 takes tokens 2 and 3 (2 occurrences each, base frequency 1/3):
+    # share 1/2 each, lift 1.5, P(e | v) = 1 (ties -> lower id first)
     assert [(x["token_id"], x["prob"]) for x in top[1]] == [(2, 1.0), (3, 1.0)]
-    assert [x["token_id"] for x in top[0]] == [1, 2, 3]
-    assert top[3] == []
+    assert [x["share"] for x in top[1]] == pytest.approx([0.5, 0.5])
+    assert [x["lift"] for x in top[1]] == pytest.approx([1.5, 1.5])
+    # expert 2 takes only token 3: share 1, lift 3
+    assert [(x["token_id"], x["lift"]) for x in top[2]] == [(3, pytest.approx(3.0))]
+    # expert 0 takes every token (P(e | v) = 100% for all): nothing is over-represented
+    assert top[0] == [] and top[3] == []
+    assert s.expert_ratio(0).tolist() == pytest.approx([1, 4 / 6, 2 / 6, 0])
     assert s.top_tokens(0, min_count=3) == [[], [], [], []]
+
+
+def test_top_tokens_rank_by_excess_share():
+    # layer 0, 2 experts; token 0 is frequent (80 occurrences), tokens 1 and 2 rare (10 each).
+    # Expert 0 takes all of tokens 0 and 1: P(e | v) = 100% for both, lift 10/9 for both
+    # (shares 80/90 and 10/90 vs base 0.8 and 0.1). Expert 1 takes all of token 2 (share
+    # 10/50, base 0.1: lift 2) and half of token 0 (share 40/50 = base 0.8: lift 1, not listed).
+    count = np.array([80, 10, 10])
+    te = np.zeros((3, 1, 2), np.int32)
+    te[:, 0, 0] = [80, 10, 0]
+    te[:, 0, 1] = [40, 0, 10]
+    st = RoutingStats(domains=["A"], tokens_D=np.array([100]),
+                      counts_DLN=np.zeros((1, 1, 2), np.int64), token_count_V=count,
+                      token_active_VL=np.zeros((3, 1), np.int64), token_expert_VSN=te,
+                      kept_layers=[0], top_k=1, num_experts=2)
+    top = st.top_tokens(0, min_count=1)
+    # expert 0: excess shares 80/90 - 0.8 = 0.0889 and 10/90 - 0.1 = 0.0111 -> token 0 first
+    assert [x["token_id"] for x in top[0]] == [0, 1]
+    assert [x["prob"] for x in top[0]] == [1.0, 1.0]
+    assert [x["lift"] for x in top[0]] == pytest.approx([10 / 9, 10 / 9])
+    assert [(x["token_id"], x["lift"]) for x in top[1]] == [(2, pytest.approx(2.0))]
+    assert top[1][0]["prob"] == 1.0 and top[1][0]["share"] == pytest.approx(0.2)
 
 
 def test_max_tokens_cuts_whole_rows():

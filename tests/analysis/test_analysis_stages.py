@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remoe.analysis.stages import (centered_mean, detect_stages, mean_std_after, settle_index,
-                                   trailing_mean)
+from remoe.analysis.stages import (band_excursions, centered_mean, detect_stages, mean_std_after,
+                                   settle_index, trailing_mean)
 
 TARGET = 1 - 1 / 8
 
@@ -46,7 +46,10 @@ def test_window_requires_staying_in_band():
     s[19:24] = TARGET
     s[49:] = TARGET + 0.005
     assert detect_stages(steps, s, TARGET, tol=0.01, window=10, smooth=1).settle_step == 50
-    assert detect_stages(steps, s, TARGET, tol=0.01, window=5, smooth=1).settle_step == 20
+    # settled means "stays in the band from there on": a shorter window does not make the
+    # first visit (steps 20-24) count
+    assert detect_stages(steps, s, TARGET, tol=0.01, window=5, smooth=1).settle_step == 50
+    assert band_excursions(steps, s, TARGET, 0.01) == [(25, 49)]
     # a tighter band than the offset never settles
     st = detect_stages(steps, s, TARGET, tol=0.001, window=10, smooth=1)
     assert st.settle_step is None and st.settling_time is None and st.stage2_start is None
@@ -96,10 +99,27 @@ def test_smoothing_and_mean_std():
     assert np.allclose(centered_mean(np.array([1.0, 3.0, 5.0, 7.0]), 3), [2.0, 3.0, 5.0, 6.0])
     mean, std, n = mean_std_after(np.arange(1, 7), [9, 9, 1, 2, 3, np.nan], skip=2)
     assert n == 3 and mean == pytest.approx(2.0) and std == pytest.approx(np.sqrt(2 / 3))
-    # smoothing removes an isolated in-band spike before the real settling
+    # smoothing removes an isolated one-step dip out of the band after settling
     steps = np.arange(1, 61)
     s = np.full(60, 0.5)
-    s[9] = TARGET
     s[30:] = TARGET
-    assert detect_stages(steps, s, TARGET, window=1, smooth=1, tol=0.01).settle_step == 10
+    s[45] = TARGET - 0.02
+    assert detect_stages(steps, s, TARGET, window=1, smooth=1, tol=0.01).settle_step == 47
     assert detect_stages(steps, s, TARGET, window=1, smooth=3, tol=0.01).settle_step == 32
+
+
+def test_settling_step_comes_after_the_last_excursion():
+    # the case of issue 17: in the band from step 82, out of it for steps 93-115, in again
+    # from 116 to the end (300 steps): the settling step is 116, not 82
+    steps = np.arange(1, 301)
+    s = np.where(steps < 82, 0.5, TARGET + 0.01)
+    s[(steps >= 93) & (steps <= 115)] = TARGET - 0.05
+    st = detect_stages(steps, s, TARGET, tol=0.02, window=10, smooth=1)
+    assert st.settle_step == 116 and st.settling_time == 115
+    assert band_excursions(steps, s, TARGET, 0.02) == [(93, 115)]
+    assert (st.stage_of(steps)[(steps >= 93) & (steps <= 115)] < 3).all()
+    # an excursion in the last records: not settled (yet)
+    s2 = s.copy()
+    s2[-3:] = 0.5
+    assert detect_stages(steps, s2, TARGET, tol=0.02, window=10, smooth=1).settle_step is None
+    assert band_excursions(steps, s2, TARGET, 0.02)[-1] == (298, 300)

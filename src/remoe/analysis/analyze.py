@@ -23,7 +23,7 @@ from remoe.analysis.flips import FlipSeries, flip_series
 from remoe.analysis.routing import INACTIVE_RATIO, RoutingStats, collect_routing_stats, spearman
 from remoe.analysis.runlog import Run
 from remoe.analysis.stages import (SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS, Stages,
-                                   detect_stages, mean_std_after)
+                                   band_excursions, centered_mean, detect_stages, mean_std_after)
 from remoe.analysis.tokens import TokenNames
 from remoe.errors import ConfigError
 
@@ -128,7 +128,11 @@ def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
              "lm_loss": lm[i], "lambda_reg": lam[i] * reg[i], "stage": int(stage[i])}
             for i, s in enumerate(m.steps)]
     files = [write_csv(out / "stages.csv", rows)]
-    rec = {**st.to_dict(), "router": run.router}
+    rec = {**st.to_dict(), "router": run.router,
+           # runs of (smoothed) records out of the band after the first entry: the settling
+           # step comes after the last of them
+           "band_excursions": band_excursions(m.steps, centered_mean(m["sparsity"], st.smooth),
+                                              st.target, st.tol)}
     for k, name in ((1, "stage1"), (2, "stage2"), (3, "stage3")):
         sel = stage == k
         rec[f"{name}_steps"] = int(sel.sum())
@@ -273,6 +277,16 @@ def routing_stats(run: Run, opts: Options, cache: Path | None) -> tuple[RoutingS
     return stats, TokenNames(tok)
 
 
+def layers_note(stats: RoutingStats, chosen: list[int] | None) -> str:
+    """Which layers the per-layer figures show, said on the figure."""
+    L = stats.num_layers
+    shown = ", ".join(str(l) for l in stats.kept_layers)
+    if len(stats.kept_layers) == L:
+        return f"all {L} MoE layers shown"
+    how = "chosen with --layers" if chosen is not None else "first, middle, last; --layers"
+    return f"only layers {shown} of MoE layers 0-{L - 1} shown ({how})"
+
+
 def _stats_title(run: Run, stats: RoutingStats) -> str:
     router = stats.meta.get("router", run.router)
     return f"{run.name} (router={router}, {stats.num_tokens:,} tokens)"
@@ -298,7 +312,8 @@ def analyze_heatmap(run: Run, stats: RoutingStats, out: Path) -> dict[str, Any]:
     return {**rec, "files": _rel(files, out)}
 
 
-def analyze_specialization(run: Run, stats: RoutingStats, out: Path) -> dict[str, Any]:
+def analyze_specialization(run: Run, stats: RoutingStats, out: Path,
+                           layers: list[int] | None = None) -> dict[str, Any]:
     spec = stats.specialization()
     if spec["num_domains"] < 2:
         raise Skip(f"needs tokens of at least 2 domains, got {stats.domains} (use --data "
@@ -315,7 +330,8 @@ def analyze_specialization(run: Run, stats: RoutingStats, out: Path) -> dict[str
            "layers_plotted": stats.kept_layers, "uniform_ratio": stats.uniform_ratio}
     files.append(write_json(out / "specialization.json", rec))
     title = (f"routed tokens ratio per domain: {_stats_title(run, stats)}\nspecialisation index "
-             f"{spec['index']:.3f}, domain–expert MI {spec['mi_bits']:.3f} bits")
+             f"{spec['index']:.3f}, domain–expert MI {spec['mi_bits']:.3f} bits\n"
+             f"{layers_note(stats, layers)}")
     fig = plots.fig_specialization(r[keep], names, stats.kept_layers, stats.uniform_ratio, title)
     files.append(plots.save_png(fig, out / "specialization.png"))
     return {**rec, "files": _rel(files, out)}
@@ -359,13 +375,19 @@ def analyze_allocation(run: Run, stats: RoutingStats, names: TokenNames, out: Pa
             for rank, it in enumerate(items):
                 top_rows.append({"layer": l, "expert": e, "rank": rank, "token_id": it["token_id"],
                                  "token": names.text(it["token_id"]), "count": it["count"],
-                                 "routed": it["routed"], "prob": it["prob"]})
+                                 "routed": it["routed"], "prob": it["prob"],
+                                 "share": it["share"], "base": it["base"], "lift": it["lift"]})
         fig = plots.fig_top_tokens(per_expert, l, names,
-                                   f"{run.name}: tokens routed to each expert of layer {l} "
-                                   f"(occurrences >= {opts.min_count})", top=opts.top_tokens)
+                                   f"{run.name}: tokens over-represented in each expert of layer "
+                                   f"{l} (ranked by share − base frequency; occurrences >= "
+                                   f"{opts.min_count})", top=opts.top_tokens,
+                                   expert_ratio=stats.expert_ratio(l),
+                                   note=layers_note(stats, opts.layers))
         files.append(plots.save_png(fig, out / f"top_tokens_layer{l}.png"))
     files.append(write_csv(out / "top_tokens.csv", top_rows))
     rec = {"num_tokens_listed": int(table["token_id"].size), "min_count": opts.min_count,
+           "layers_plotted": stats.kept_layers, "num_layers": stats.num_layers,
+           "top_tokens_statistic": "share - base (lift = share / base > 1)",
            "spearman_freq_active": rho,
            "domain_active_experts": {stats.domains[d]: act[d] for d in keep},
            "domain_spread_per_layer": (np.nanmax(act[keep], 0) - np.nanmin(act[keep], 0)),
@@ -445,7 +467,7 @@ def analyze(run: Run, out: Path, opts: Options, log=print, reuse: bool = False) 
             if "heatmap" in opts.what:
                 attempt("heatmap", analyze_heatmap, run, stats, out)
             if "specialization" in opts.what:
-                attempt("specialization", analyze_specialization, run, stats, out)
+                attempt("specialization", analyze_specialization, run, stats, out, opts.layers)
             if "allocation" in opts.what:
                 attempt("allocation", analyze_allocation, run, stats, names, out, opts)
     write_json(out / "analysis.json", result)

@@ -66,7 +66,8 @@ def add_analysis_options(p: argparse.ArgumentParser, checkpoint: bool = True) ->
     g.add_argument("--settle-tol", type=float, default=SETTLE_TOL,
                    help=f"settling band |S - (1-k/E)| <= tol (default {SETTLE_TOL})")
     g.add_argument("--settle-window", type=int, default=SETTLE_WINDOW,
-                   help=f"steps the sparsity must stay in the band (default {SETTLE_WINDOW})")
+                   help=f"settled = in the band from the settling step to the end of the log, "
+                        f"at least this many steps (default {SETTLE_WINDOW})")
     g.add_argument("--stage-eps", type=float, default=STAGE_EPS,
                    help=f"stage II starts when lambda*L_reg >= eps * L_lm (default {STAGE_EPS})")
     g.add_argument("--smooth", type=int, default=SMOOTH,
@@ -82,20 +83,42 @@ def parse_items(items: list[str], what_opt: str | None) -> tuple[tuple[str, ...]
     what = what_opt
     first = items[0]
     names = first.split(",")
-    if all(n in ANALYSES or n == "all" for n in names) and not Path(first).exists():
-        if what is not None:
-            raise ConfigError(f"analysis given twice: {first!r} and --what={what_opt!r}")
-        what = first
-        items = items[1:]
+    if not Path(first).exists():
+        known = [n in ANALYSES or n == "all" for n in names]
+        if all(known):
+            if what is not None:
+                raise ConfigError(f"analysis given twice: {first!r} and --what={what_opt!r}")
+            what = first
+            items = items[1:]
+        elif "/" not in first and (len(items) > 1 or any(known) or _suggest(names)):
+            # `remoe analyze stagez RUN`: a misspelt analysis, not a missing run
+            raise ConfigError(_unknown([n for n, ok in zip(names, known) if not ok]))
     if not items:
         raise ConfigError("no run directory given")
     chosen = tuple(ANALYSES) if what in (None, "all") else tuple(
         w.strip() for w in what.split(",") if w.strip())
     bad = [w for w in chosen if w not in ANALYSES]
     if bad:
-        raise ConfigError(f"--what={what!r}: unknown analysis {', '.join(bad)} "
-                          f"(choose from {', '.join(ANALYSES)})")
+        raise ConfigError(f"--what={what!r}: " + _unknown(bad))
     return chosen, items
+
+
+def _suggest(names: list[str]) -> list[str]:
+    """Analyses close to the (unknown) ``names``."""
+    import difflib
+
+    out: list[str] = []
+    for n in names:
+        out += [m for m in difflib.get_close_matches(n, list(ANALYSES) + ["all"], n=1, cutoff=0.6)
+                if m not in out]
+    return out
+
+
+def _unknown(bad: list[str]) -> str:
+    near = _suggest(bad)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+    return (f"unknown analysis {', '.join(repr(b) for b in bad)}{hint}; choose from "
+            f"{', '.join(ANALYSES)}, or all")
 
 
 def options_from_args(args, what: tuple[str, ...], compare: list[str]) -> Options:
@@ -139,14 +162,18 @@ def _print_numbers(r: dict) -> None:
     st = r.get("stages")
     sp = r.get("sparsity")
     if st and st["settle_step"] is not None:
+        exc = st.get("band_excursions") or []
+        left = (f"; it left the band {len(exc)}x before, last at steps {exc[-1][0]}-{exc[-1][1]}"
+                if exc else "")
         lines.append(f"settling time {st['settling_time']} steps (stage II from step "
-                     f"{st['stage2_start']}, stage III from {st['settle_step']}; band "
-                     f"±{st['tol']:g}, window {st['window']})")
+                     f"{st['stage2_start']}, stage III from {st['settle_step']}: sparsity in the "
+                     f"band ±{st['tol']:g} from there to the end, smoothed over {st['smooth']}"
+                     f"{left})")
     elif st:
         noise = f" (std of S after step {sp['skip_steps']}: {_f(sp['std'])})" if sp else ""
-        lines.append(f"not settled: |S - target| <= {st['tol']:g} never held for {st['window']} "
-                     f"steps{noise}; for a noisy small-batch run try --smooth 10 or a wider "
-                     "--settle-tol")
+        lines.append(f"not settled: |S - target| <= {st['tol']:g} does not hold over the last "
+                     f"{st['window']} or more steps{noise}; for a noisy small-batch run try "
+                     "--smooth 10 or a wider --settle-tol")
     if sp:
         lines.append(f"sparsity after step {sp['skip_steps']}: {_f(sp['mean'])} ± {_f(sp['std'])}"
                      f" (target {_f(sp['target'])})")

@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from remoe.analysis.stages import Stages, centered_mean, trailing_mean
+from remoe.analysis.stages import Stages, band_excursions, centered_mean, trailing_mean
 from remoe.analysis.tokens import mpl_safe
 
 DPI = 160
@@ -102,8 +102,14 @@ def fig_stages(steps, sparsity, lam, reg, lm, st: Stages | None, title: str) -> 
         ax1.axhline(st.target, color="k", ls="--", lw=0.9, label=f"target 1-k/E = {st.target:.4g}")
         ax1.axhspan(st.target - st.tol, st.target + st.tol, color="0.5", alpha=0.15, lw=0,
                     label=f"settling band ±{st.tol:g}")
-        txt = (f"settling time: {st.settling_time} steps" if st.settling_time is not None
-               else "not settled")
+        used = centered_mean(np.asarray(sparsity, float), st.smooth)
+        for i, (a, b) in enumerate(band_excursions(steps, used, st.target, st.tol)):
+            ax1.axvspan(a - 0.5, b + 0.5, facecolor="none", edgecolor="C3", hatch="////", lw=0,
+                        alpha=0.6, zorder=0.5,
+                        label="out of the band after entering it" if i == 0 else None)
+        txt = (f"settling time: {st.settling_time} steps\n(in the band from step "
+               f"{st.settle_step} to the end)" if st.settling_time is not None
+               else "not settled\n(not in the band to the end)")
         ax1.text(0.98, 0.04, txt, transform=ax1.transAxes, ha="right", va="bottom", fontsize=9,
                  bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     _style(ax1, "(a) sparsity $S_i$", "step", "sparsity")
@@ -337,8 +343,11 @@ def fig_domain_allocation(active_DL: np.ndarray, overall_L: np.ndarray, domains:
 def fig_token_allocation(table: dict[str, np.ndarray], names: Callable[[int], str],
                          rho: float, k: float, title: str, annotate: int = 5) -> Figure:
     """Fig. 6: tokens sorted by mean active experts; their frequency (log scale) alongside."""
-    fig = new_figure(10, 4.6)
-    ax = fig.subplots()
+    fig = new_figure(10, 5.0)
+    # the token examples go in a row of their own under the plot: inside the axes the twin
+    # axes' scatter points would be drawn over them
+    ax, note_ax = fig.subplots(2, 1, height_ratios=[1, 0.12])
+    note_ax.axis("off")
     n = table["token_id"].size
     x = np.arange(n)
     ax.plot(x, table["mean_active"], color="C0", lw=1.8, label="mean active experts (left)")
@@ -360,30 +369,38 @@ def fig_token_allocation(table: dict[str, np.ndarray], names: Callable[[int], st
            for i in range(min(annotate, n))]
     bottom = [f"{mpl_safe(names(int(table['token_id'][i])))} ({table['mean_active'][i]:.2f})"
               for i in range(max(n - annotate, 0), n)]
-    ax.text(0.01, 0.02, "most experts: " + ", ".join(top) + "\nfewest experts: " +
-            ", ".join(bottom), transform=ax.transAxes, fontsize=7.5, va="bottom",
-            bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9))
     _style(ax, f"{title}  (Spearman ρ(frequency, active experts) = {rho:.3f})",
            f"tokens sorted by mean active experts ({n} tokens)")
+    note_ax.text(0.0, 0.5, "most experts: " + ", ".join(top) + "\nfewest experts: " +
+                 ", ".join(bottom), transform=note_ax.transAxes, fontsize=7.5, va="center",
+                 ha="left", bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     _legend(ax, ax2, loc="upper right")
     return fig
 
 
 def fig_top_tokens(per_expert: list[list[dict]], layer: int, names: Callable[[int], str],
-                   title: str, top: int = 8) -> Figure:
-    """Table 10 as a figure: per expert, the tokens routed to it with the highest probability."""
+                   title: str, top: int = 8, expert_ratio: Sequence[float] | None = None,
+                   note: str | None = None) -> Figure:
+    """Table 10 as a figure: per expert, the tokens most over-represented among its tokens
+    (:meth:`RoutingStats.top_tokens`), each with its share of the expert's tokens and its lift
+    over the token's base frequency; ``expert_ratio``: P(e), shown beside each expert."""
     N = len(per_expert)
     rows = []
     for e, items in enumerate(per_expert):
-        cells = [f"{mpl_safe(_clip(names(it['token_id'])))}({100 * it['prob']:.1f}%)"
-                 for it in items[:top]]
-        rows.append([str(e), "; ".join(cells) if cells else "(no token above the count filter)"])
-    fig = new_figure(13, 0.3 * (N + 1) + 0.7)
+        cells = [f"{mpl_safe(_clip(names(it['token_id'])))} {100 * it['share']:.1f}% "
+                 f"×{it['lift']:.1f}" for it in items[:top]]
+        label = str(e) if expert_ratio is None else f"{e} ({100 * expert_ratio[e]:.0f}%)"
+        empty = ("(none: takes tokens in proportion to their frequency)"
+                 if expert_ratio is None or expert_ratio[e] > 0 else "(no token routed)")
+        rows.append([label, "; ".join(cells) if cells else empty])
+    fig = new_figure(13, 0.3 * (N + 1) + 0.7 + (0.25 if note else 0))
     ax = fig.subplots()
     ax.axis("off")
-    tab = ax.table(cellText=rows, colLabels=["expert", f"layer {layer}: routed tokens with high "
-                                             "probability P(expert | token)"],
-                   colWidths=[0.07, 0.93], cellLoc="left", bbox=[0, 0, 1, 1])
+    head0 = "expert" if expert_ratio is None else "expert (P(e))"
+    tab = ax.table(cellText=rows, colLabels=[head0, f"layer {layer}: over-represented tokens — "
+                                             "share of the expert's tokens P(v|e), "
+                                             "×lift = P(v|e) / P(v)"],
+                   colWidths=[0.1, 0.9], cellLoc="left", bbox=[0, 0, 1, 1])
     tab.auto_set_font_size(False)
     tab.set_fontsize(8)
     for (r, c), cell in tab.get_celld().items():
@@ -393,7 +410,7 @@ def fig_top_tokens(per_expert: list[list[dict]], layer: int, names: Callable[[in
             cell.set_facecolor("#e8e8e8")
         if c == 0:
             cell.get_text().set_horizontalalignment("center")
-    ax.set_title(title, fontsize=11)
+    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=11)
     return fig
 
 

@@ -115,6 +115,37 @@ def final_eval(run: Run) -> dict[str, Any] | None:
     return run.evals[-1] if run.evals else None
 
 
+def val_label(run: Run) -> str:
+    """What the training log's validation loss is computed on (``train.eval_chunks_per_domain``
+    sequences per domain), as opposed to ``remoe eval``'s whole split."""
+    n = (run.config.get("train") or {}).get("eval_chunks_per_domain")
+    return (f"validation ({n} sequences per domain, during training)" if n
+            else "validation (sequences capped per domain, during training)")
+
+
+def eval_loss(run: Run) -> tuple[float, str] | None:
+    """The held-out loss ``remoe eval`` wrote into the run's ``eval_results.json`` and a label
+    naming its data (the whole split unless ``--loss-chunks`` capped it)."""
+    res = run.eval_results
+    models = res.get("models") if isinstance(res, dict) else None
+    if not isinstance(models, list) or len(models) != 1 or not isinstance(models[0], dict):
+        return None
+    loss = models[0].get("loss")
+    if not isinstance(loss, dict) or not _num(loss.get("loss")):
+        return None
+    chunks = res.get("loss_chunks_per_domain")
+    data = (f"at most {chunks} sequences per domain" if chunks else "the whole split")
+    return float(loss["loss"]), f"{loss.get('split', res.get('split', 'held-out'))} ({data}, remoe eval)"
+
+
+def final_lambda(run: Run) -> tuple[float | None, float | None]:
+    """``(λ after the last update, λ used in the last step)``. The first is what the training
+    summary prints (``summary.json``'s ``final_lambda``: the coefficient the next step would
+    use); the second is the last ``lambda`` of ``metrics.jsonl``. They differ by one α step."""
+    nxt = run.summary.get("final_lambda")
+    return (float(nxt) if _num(nxt) else None), _last(run, "lambda")
+
+
 def model_facts(run: Run) -> dict[str, Any]:
     cfg = run.model_config
     s = run.summary
@@ -191,13 +222,19 @@ def comparison_section(runs: list[Run], names: list[str], results: list[dict],
         rows.append([esc(name), esc(f["router"]), f["E"], f["k"], f["G"], f["params_total"],
                      f["params_active"], int(run.metrics.steps[-1]) if len(run.metrics) else None,
                      _last(run, "tokens"), _last(run, "flops"), last_lm_loss(run),
-                     ev.get("val_loss") if ev else None, st.get("settling_time"),
-                     sp.get("mean"), fl.get("mean_flip_rate"), sc.get("index")])
+                     ev.get("val_loss") if ev else None, (eval_loss(run) or (None,))[0],
+                     st.get("settling_time"), sp.get("mean"), fl.get("mean_flip_rate"),
+                     sc.get("index")])
     parts.append(table(["run", "router", "E", "k", "G", "params", "active params", "steps",
-                        "tokens", "FLOPs", "train LM loss (last 20)", "val loss",
-                        "settling time", "sparsity (mean)", "flip rate (mean)",
-                        "specialisation index"], rows, left=2,
-                       best={10: "min", 11: "min"}))
+                        "tokens", "FLOPs", "train LM loss (last 20)",
+                        "val loss (training: capped sequences per domain)",
+                        "held-out loss (remoe eval)", "settling time", "sparsity (mean)",
+                        "flip rate (mean)", "specialisation index"], rows, left=2,
+                       best={10: "min", 11: "min", 12: "min"}))
+    parts.append('<p class="note">Two validation losses: the training log\'s is computed on '
+                 '<code>train.eval_chunks_per_domain</code> sequences per domain (fast, every '
+                 '<code>train.eval_every</code> steps); <code>remoe eval RUN</code> computes it '
+                 'on the whole split (written to RUN/eval_results.json).</p>')
 
     curves = {n: (r.metrics.steps, r.metrics["lm_loss"]) for r, n in zip(runs, names)
               if len(r.metrics)}
@@ -229,14 +266,15 @@ def comparison_section(runs: list[Run], names: list[str], results: list[dict],
             dl = ev.get("domains") or {}
             drows.append([esc(n), ev.get("step")] + [dl.get(d) for d in domains]
                          + [ev.get("val_loss")])
-        parts.append("<h3>Validation loss per domain (last evaluation)</h3>")
+        parts.append("<h3>Validation loss per domain (last evaluation during training: "
+                     "capped sequences per domain)</h3>")
         parts.append(table(["run", "step"] + domains + ["all"], drows, left=1,
                            best={i: "min" for i in range(2, len(domains) + 3)}))
 
     flips = {n: _flips_csv(o / "flips.csv", res["flips"]["num_experts"])
              for n, res, o in zip(names, results, outs)
              if res.get("flips") and (o / "flips.csv").is_file()}
-    if flips:
+    if len(flips) >= 2:  # one run: its own section shows its flips.png
         parts.append("<h3>Routing stability</h3>")
         parts.append(img(plots.png_bytes(plots.fig_flips(flips, "flip rate and flip count")),
                          "Flip rate between consecutive recorded masks of the fixed calibration "
@@ -260,8 +298,8 @@ def comparison_section(runs: list[Run], names: list[str], results: list[dict],
                            best={i: "max" for i in range(1, len(tasks) + 2)}, digits=2))
         parts.append('<p class="note">Accuracy in % (from each run\'s eval_results.json).</p>')
     else:
-        parts.append('<p class="note">No eval_results.json in these runs (write one with '
-                     '<code>remoe eval --out RUN/eval_results.json</code>).</p>')
+        parts.append('<p class="note">No zero-shot results in these runs\' '
+                     'eval_results.json (write them with <code>remoe eval RUN</code>).</p>')
     return "\n".join(parts)
 
 
@@ -308,11 +346,21 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
              ("steps / tokens", f"{fmt(int(run.metrics.steps[-1]) if len(run.metrics) else None)}"
                                 f" / {fmt(_last(run, 'tokens'))}"),
              ("final train LM loss (mean of last 20 steps)", fmt(last_lm_loss(run))),
-             ("final validation loss", fmt(ev.get("val_loss")) if ev else "–"),
-             ("final λ", fmt(_last(run, "lambda")) if f["router"] == "relu" else "– (not ReLU)"),
-             ("final sparsity / target", f"{fmt(_last(run, 'sparsity'))} / "
-                                         f"{fmt(run.target_sparsity)}"
-              if run.target_sparsity is not None else "– (no routed experts)")]
+             (f"final {val_label(run)} loss", fmt(ev.get("val_loss")) if ev else "–")]
+    el = eval_loss(run)
+    if el is not None:
+        facts.append((f"held-out loss: {el[1]}", fmt(el[0])))
+    nxt, used = final_lambda(run)
+    if f["router"] != "relu":
+        facts.append(("final λ", "– (not ReLU)"))
+    elif nxt is not None:
+        facts.append(("final λ (after the last update: the next step's, as in the training "
+                      "summary)", f"{fmt(nxt)} (used in the last step: {fmt(used)})"))
+    else:
+        facts.append(("final λ (used in the last step)", fmt(used)))
+    facts.append(("final sparsity / target", f"{fmt(_last(run, 'sparsity'))} / "
+                                             f"{fmt(run.target_sparsity)}"
+                  if run.target_sparsity is not None else "– (no routed experts)"))
     if sp:
         facts.append((f"sparsity after step {sp['skip_steps']} (mean ± std)",
                       f"{fmt(sp.get('mean'))} ± {fmt(sp.get('std'))}"))
@@ -322,8 +370,9 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
                                 f"III: " + (f"from step {ends[2]}" if ends[2] is not None
                                             else "not reached")))
         facts.append(("settling time (stages I+II)",
-                      f"{fmt(st['settling_time'])} steps (band ±{st['tol']:g}, window "
-                      f"{st['window']})"))
+                      f"{fmt(st['settling_time'])} steps (smoothed sparsity in the band "
+                      f"±{st['tol']:g} from the settling step to the end, at least "
+                      f"{st['window']} steps)"))
     sc = res.get("specialization")
     if sc:
         facts.append(("specialisation index / domain–expert MI",
@@ -342,7 +391,7 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
         doms = sorted({d for e in run.evals for d in (e.get("domains") or {})})
         rows = [[e.get("step"), e.get("tokens")] + [(e.get("domains") or {}).get(d) for d in doms]
                 + [e.get("val_loss")] for e in run.evals]
-        parts.append("<h3>Validation loss per domain</h3>")
+        parts.append(f"<h3>Validation loss per domain ({esc(val_label(run))})</h3>")
         parts.append(table(["step", "tokens"] + doms + ["all"], rows, left=0))
 
     for analysis, file, caption in FIGURES:
@@ -354,8 +403,9 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
         for rel in al.get("files", []):
             if rel.startswith("top_tokens_layer") and rel.endswith(".png") \
                     and (out / rel).is_file():
-                parts.append(img(out / rel, "Tokens routed to each expert with the highest "
-                                            "probability (Table 10)."))
+                parts.append(img(out / rel, "Tokens over-represented among each expert's "
+                                            "tokens (Table 10): share of the expert's tokens "
+                                            "and lift over the token's base frequency."))
     if res.get("skipped"):
         parts.append('<p class="note">Not available: ' + "; ".join(
             f"{esc(k)} ({esc(v)})" for k, v in res["skipped"].items()) + "</p>")

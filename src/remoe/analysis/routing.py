@@ -143,20 +143,41 @@ class RoutingStats:
 
     # -- Table 10 ----------------------------------------------------------------------------
     def top_tokens(self, layer: int, top: int = 8, min_count: int = 5) -> list[list[dict]]:
-        """For each expert of ``layer`` (a kept layer), the ``top`` tokens with the highest
-        P(e | v) among tokens seen >= ``min_count`` times (ties: more occurrences first)."""
+        """For each expert of ``layer`` (a kept layer), the ``top`` tokens most over-represented
+        among the tokens routed to it, of those seen >= ``min_count`` times.
+
+        With ``share`` = P(v | e), the fraction of the expert's routed tokens that are v, and
+        ``base`` = P(v), the token's frequency among all tokens, tokens are ranked by
+        ``share - base`` (the expert's share of v beyond what a token-blind router would give
+        it; ties: more occurrences, then lower id) and only tokens with ``lift`` = share / base
+        > 1 are listed. ``prob`` = P(e | v) is kept alongside: it reads 100% for every token
+        of an expert that takes (almost) all tokens, and ranks rare tokens first, so it does not
+        tell experts apart; the lift (= P(e | v) / P(e)) and the share do.
+        """
         s = self.kept_layers.index(layer)
+        total = max(int(self.token_count_V.sum()), 1)
         ids = np.flatnonzero(self.token_count_V >= max(min_count, 1))
         count = self.token_count_V[ids]
+        base = count / total
         out = []
         for e in range(self.num_routed):
-            routed = self.token_expert_VSN[ids, s, e]
-            prob = routed / np.maximum(count, 1)
-            order = np.lexsort((ids, -count, -prob))
-            order = [i for i in order if routed[i] > 0][:top]
+            all_routed = self.token_expert_VSN[:, s, e]
+            n_e = int(all_routed.sum())
+            routed = all_routed[ids].astype(np.int64)
+            share = routed / max(n_e, 1)
+            lift = share / np.maximum(base, 1e-300)
+            order = np.lexsort((ids, -count, -(share - base)))
+            order = [i for i in order if routed[i] > 0 and lift[i] > 1.0][:top]
             out.append([{"token_id": int(ids[i]), "count": int(count[i]),
-                         "routed": int(routed[i]), "prob": float(prob[i])} for i in order])
+                         "routed": int(routed[i]), "prob": float(routed[i] / count[i]),
+                         "share": float(share[i]), "base": float(base[i]),
+                         "lift": float(lift[i])} for i in order])
         return out
+
+    def expert_ratio(self, layer: int) -> np.ndarray:
+        """[N] P(e) in a kept layer: the fraction of all tokens routed to each expert."""
+        s = self.kept_layers.index(layer)
+        return self.token_expert_VSN[:, s, :].sum(0) / max(int(self.token_count_V.sum()), 1)
 
     # -- persistence -------------------------------------------------------------------------
     def save(self, path: Path) -> None:

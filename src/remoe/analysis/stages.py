@@ -4,9 +4,11 @@ Given the per-step sparsity S_i (steps s_1 < ... < s_n), the target tau = 1 - k/
 regularisation term R_i = lambda_i * L_reg,i and the LM loss L_lm,i:
 
 * **Stage III (stable) starts** at the settling step s_{j2}: the first step from which the
-  sparsity stays inside the band |S - tau| <= ``tol`` for ``window`` consecutive records,
-  i.e. j2 = min{ j : |S_i - tau| <= tol for all i in [j, j + window - 1] } (the window must
-  fit inside the log). None when that never happens (the run has not settled).
+  sparsity stays inside the band |S - tau| <= ``tol`` until the end of the log, provided that
+  is at least ``window`` records, i.e. j2 = min{ j : |S_i - tau| <= tol for all i >= j } when
+  n - j2 >= window. An excursion out of the band moves the settling step past it: "settled"
+  means "stays in the band from there on", not "spent ``window`` steps in it once". None when
+  the last ``window`` records are not all inside the band (the run has not settled, yet).
 * **Stage II (sparsifying) starts** at s_{j1}, the first step at which the regularisation
   becomes non-negligible: j1 = min{ j : R_j >= ``eps`` * L_lm,j } (eps = 1e-3: 0.1% of the LM
   loss), capped at j2. Stage I (dense) is [s_1, s_{j1}). With lambda growing by alpha per step
@@ -81,19 +83,34 @@ def centered_mean(x: np.ndarray, width: int) -> np.ndarray:
 
 
 def settle_index(sparsity: np.ndarray, target: float, tol: float, window: int) -> int | None:
-    """Index j2 of the first record from which ``window`` records lie within ``tol`` of target."""
+    """Index j2 of the first record from which every record to the end lies within ``tol`` of
+    target, if those are at least ``window`` records (else None)."""
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     ok = np.abs(np.asarray(sparsity, dtype=np.float64) - target) <= tol  # NaN -> False
-    n = ok.size
-    if n < window:
-        return None
-    # run[i] = number of consecutive in-band records starting at i
-    run = np.zeros(n + 1, dtype=np.int64)
-    for i in range(n - 1, -1, -1):
-        run[i] = run[i + 1] + 1 if ok[i] else 0
-    hits = np.flatnonzero(run[:n] >= window)
-    return int(hits[0]) if hits.size else None
+    out = np.flatnonzero(~ok)
+    j = int(out[-1]) + 1 if out.size else 0  # just after the last record out of the band
+    return j if ok.size - j >= window else None
+
+
+def band_excursions(steps, sparsity, target: float, tol: float) -> list[tuple[int, int]]:
+    """``(first, last)`` steps of every run of records outside the band after the sparsity
+    first entered it (what moves the settling step later)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    ok = np.abs(np.asarray(sparsity, dtype=np.float64) - target) <= tol
+    inside = np.flatnonzero(ok)
+    if not inside.size:
+        return []
+    runs, start = [], None
+    for i in range(int(inside[0]), ok.size):
+        if not ok[i] and start is None:
+            start = i
+        elif ok[i] and start is not None:
+            runs.append((int(steps[start]), int(steps[i - 1])))
+            start = None
+    if start is not None:
+        runs.append((int(steps[start]), int(steps[-1])))
+    return runs
 
 
 #: Defaults shared by ``remoe analyze``, ``remoe report`` and the trainer's end-of-run summary.
