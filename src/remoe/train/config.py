@@ -86,7 +86,10 @@ class TrainConfig:
     tensorboard: bool = False
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
-    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    # torch intra-op threads; null: chosen by measurement (remoe.threads.ThreadTuner: all usable
+    # cores or 1, whichever runs faster, re-checked every thread_probe_every steps)
+    num_threads: int | None = None
+    thread_probe_every: int = 50
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
     # layer (remoe.model.expert_parallel); no-op with one process
     expert_parallel: bool = False
@@ -116,6 +119,8 @@ class TrainConfig:
                f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
         _check(self.num_threads is None or self.num_threads >= 1,
                f"train.num_threads={self.num_threads!r} must be >= 1 or null")
+        _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
+               f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
 
 
 @dataclass
