@@ -35,6 +35,7 @@ from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import ReLURouter
 from remoe.sparsity import build_controller
+from remoe.threads import ThreadTuner, usable_cores
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.config import ExperimentConfig
 from remoe.train.flops import FlopCounter
@@ -167,8 +168,12 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no "Writing model shards" bars at every checkpoint
+        self.threads = None  # train.num_threads=N: fixed; null: chosen by measurement
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
+        else:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.threads = ThreadTuner(usable_cores(local), probe_every=tc.thread_probe_every)
         want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
         self.dist = init_distributed("cuda" if want_cuda else "cpu")
         self.device = resolve_device(tc.device, self.dist)
@@ -222,40 +227,44 @@ class Trainer:
         # the run directory defends itself (remoe.rundir): one writer, no leftovers of
         # interrupted writes, no fresh run over an old one, only verified checkpoints resumed
         self.lock: rundir.RunLock | None = None
-        resume_from, state = None, None
-        if self.dist.is_main:
-            self.lock = rundir.RunLock.acquire(self.run_dir)
-            rundir.remove_interrupted_writes(self.run_dir)
-            if resume:
-                resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root)
-                if resume_from is not None:
-                    ckpt_io.check_resume_config(self.run_dir, cfg.to_dict(), cfg.to_yaml(),
-                                                int(state["step"]))
-            else:
-                rundir.require_fresh(self.run_dir)
-        self._barrier()
-        if resume and not self.dist.is_main:
-            resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root, report=False)
-        if resume and resume_from is None:
-            raise ConfigError(f"--resume: no checkpoint found under {self.ckpt_root}")
-        self._saved_step = None  # the step of the newest checkpoint on disk
-        if resume_from is not None:
-            self._load(resume_from, state)
-            self._saved_step = self.step
-            # a finished run's (or a run stopped after its last checkpoint) validation of
-            # this step is on disk: finishing again must not repeat it
-            evals, _ = (rundir.read_jsonl(self.run_dir / "eval.jsonl")
-                        if (self.run_dir / "eval.jsonl").exists() else ([], []))
-            done = [rec for _, rec in evals if rec.get("step") == self.step]
-            self.last_eval = done[-1] if done else None
-        self.wrapped = self._wrap_model()
-        self.calib = self._calibration_set()
-        if self.dist.is_main:
-            ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
-            rs = self.step if resume_from is not None else None
-            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
-            self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
-            self.tb = self._tensorboard()
+        try:
+            resume_from, state = None, None
+            if self.dist.is_main:
+                self.lock = rundir.RunLock.acquire(self.run_dir)
+                rundir.remove_interrupted_writes(self.run_dir)
+                if resume:
+                    resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root)
+                    if resume_from is not None:
+                        ckpt_io.check_resume_config(self.run_dir, cfg.to_dict(), cfg.to_yaml(),
+                                                    int(state["step"]))
+                else:
+                    rundir.require_fresh(self.run_dir)
+            self._barrier()
+            if resume and not self.dist.is_main:
+                resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root, report=False)
+            if resume and resume_from is None:
+                raise ConfigError(f"--resume: no checkpoint found under {self.ckpt_root}")
+            self._saved_step = None  # the step of the newest checkpoint on disk
+            if resume_from is not None:
+                self._load(resume_from, state)
+                self._saved_step = self.step
+                # a finished run's (or a run stopped after its last checkpoint) validation of
+                # this step is on disk: finishing again must not repeat it
+                evals, _ = (rundir.read_jsonl(self.run_dir / "eval.jsonl")
+                            if (self.run_dir / "eval.jsonl").exists() else ([], []))
+                done = [rec for _, rec in evals if rec.get("step") == self.step]
+                self.last_eval = done[-1] if done else None
+            self.wrapped = self._wrap_model()
+            self.calib = self._calibration_set()
+            if self.dist.is_main:
+                ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
+                rs = self.step if resume_from is not None else None
+                self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
+                self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
+                self.tb = self._tensorboard()
+        except BaseException:  # a refused or failed start releases the run directory
+            self.close()
+            raise
 
     # -- construction helpers ---------------------------------------------------------------
     def _barrier(self) -> None:
@@ -416,6 +425,7 @@ class Trainer:
         coeff = self.controller.coeff if self.controller else 0.0
         layer_coeffs = self.controller.layer_coeffs if self.controller else None
         self._arm_revival()
+        threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
         sums = torch.zeros(4, dtype=torch.float64)  # lm, reg, aux, tokens (per rank)
@@ -485,6 +495,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if self.threads:
+            self.threads.after_step(step, dt)
         self.step += 1
         self.tokens += int(step_tokens)
         self.total_flops += step_flops
@@ -496,7 +508,7 @@ class Trainer:
             "expert_counts": counts_LN.tolist(), "active_k": (active_pairs / (L * step_tokens)
                                                               if L else 0.0),
             "step_tokens": int(step_tokens), "grad_norm": grad_norm,
-            "tokens_per_s": step_tokens / dt, "elapsed_s": self.elapsed,
+            "tokens_per_s": step_tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
             # experts that received no token in this step, per MoE layer
             "dead_experts": (counts_LN == 0).sum(1).tolist() if L else [],
             **self._control_record(layer_coeffs, reg_L),
