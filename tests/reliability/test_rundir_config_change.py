@@ -50,6 +50,7 @@ def test_trainer_refuses_changed_model_too(short_run, tmp_path, train_argv):
     cfg = load_config(None, [a.removeprefix("--set=") for a in argv if a.startswith("--set=")])
     with pytest.raises(ConfigError, match=r"model.hidden_size=96 differs from the run's \d+"):
         Trainer(cfg, resume=True, progress=False)
+    assert (run / ".lock").read_text() == ""  # the refused start released the directory
 
 
 def test_changed_training_fields_warn_and_keep_the_old_config(short_run, tmp_path, train_argv,

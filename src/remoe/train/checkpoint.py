@@ -128,7 +128,8 @@ def read_run_config(run_dir: Path) -> dict[str, Any] | None:
 def config_changes(old: dict[str, Any], new: dict[str, Any]
                    ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """``(refused, warned)`` differences ``(field, new, old)`` between two config dicts: any
-    model field but the runtime ones is refused; train/data/analysis fields and run.seed warn."""
+    model field but the runtime ones is refused (defaults filled in on both sides);
+    train/data/analysis fields and run.seed present in both warn."""
     a, b = _model_fields(old.get("model")), _model_fields(new.get("model"))
     refused, warned = [], []
     for k in sorted(set(a) | set(b)):
@@ -141,9 +142,9 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]
         flat_new.update(_flat(new.get(section) or {}, f"{section}."))
     flat_old["run.seed"] = (old.get("run") or {}).get("seed")
     flat_new["run.seed"] = (new.get("run") or {}).get("seed")
-    for k in sorted(set(flat_old) | set(flat_new)):
-        if flat_old.get(k) != flat_new.get(k):
-            warned.append((k, flat_new.get(k), flat_old.get(k)))
+    for k in sorted(set(flat_old) & set(flat_new)):  # a field one side lacks: not comparable
+        if flat_old[k] != flat_new[k]:
+            warned.append((k, flat_new[k], flat_old[k]))
     return refused, warned
 
 
