@@ -336,3 +336,11 @@ def test_second_remoe_data_says_whose_lock_it_waits_for(built_cache, tmp_path, c
     worker.join(timeout=60)
     assert result and result[0].split("train").num_docs > 0
     assert lock.read_bytes() == b""  # the PID is cleared when the lock is released
+
+
+def test_cache_dir_that_is_a_file_is_a_config_error(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for cache in (f, f / "sub"):
+        with pytest.raises(ConfigError, match="data.cache_dir=.* is a file"):
+            DataConfig(cache_dir=str(cache)).validate()

@@ -60,8 +60,16 @@ class DataConfig:
                 raise ConfigError(f"data.sources[{i}]={spec!r}: {e}") from None
             if parsed.kind == "path" and not Path(str(parsed.path)).exists():
                 raise ConfigError(f"data.sources[{i}]={spec!r} does not exist")
-        if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir):
+        if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir) or (
+                "\x00" in str(self.cache_dir)):
             raise ConfigError(f"data.cache_dir={self.cache_dir!r} must be a non-empty path")
+        cache = Path(self.cache_dir)
+        for p in (cache, *cache.parents):  # the nearest existing ancestor must be a directory
+            if p.exists():
+                if not p.is_dir():
+                    raise ConfigError(f"data.cache_dir={str(self.cache_dir)!r} must be a "
+                                      f"directory, but {str(p)!r} is a file")
+                break
         _int_at_least("vocab_size", self.vocab_size, 256)
         if self.vocab_size > 1 << 32:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be <= {1 << 32}")
