@@ -80,12 +80,15 @@ def test_kill_9_then_resume_is_bit_exact(moment, reference, train_argv, rd, tmp_
     pid = rd.fork_main(argv, tmp_path / "child.log", before=how if callable(how) else None)
     if not callable(how):  # a random moment after the first checkpoint
         rd.wait_for(lambda: (run / "checkpoints" / "LATEST").exists())
-        time.sleep(random.Random(how).uniform(0.0, 0.8))
+        time.sleep(random.Random(how).uniform(0.0, 0.4))
         os.kill(pid, signal.SIGKILL)
     code = rd.wait_exit(pid)
     log = (tmp_path / "child.log").read_text()
-    if callable(how):
-        assert code == -signal.SIGKILL, log[-2000:]
+    # a random kill may land after the run's end on a fast machine: then this is a resume of a
+    # finished run, which must give the same result too
+    assert code == -signal.SIGKILL or (not callable(how) and code == 0), (code, log[-2000:])
+    with capsys.disabled():
+        print(f" [{moment}: child exit code {code}]", end="")
     capsys.readouterr()
 
     assert main(argv + ["--resume"]) == 0
