@@ -36,7 +36,7 @@ def is_data_file(path: Path) -> bool:
     return name.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
 
 
-_READ_CHUNK = 1 << 20
+_READ_CHUNK = 1 << 16  # also the granularity of "how far it got" in errors
 #: control bytes that never occur in text (C0 minus tab, newlines, form feed, escape; DEL)
 _C0 = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
 _C1 = bytes(range(0x80, 0xA0))
