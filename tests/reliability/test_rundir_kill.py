@@ -109,3 +109,37 @@ def test_kill_9_then_resume_is_bit_exact(moment, reference, train_argv, rd, tmp_
     assert [c.name for c in ckpts] == ["step_0000006", "step_0000004", "step_0000002"]
     assert all(rundir.verify_manifest(c) is None for c in ckpts)
     assert (run / ".lock").read_text() == ""
+
+
+def test_kill_9_of_a_real_remoe_train_process(reference, train_argv, rd, tmp_path, capsys):
+    """The same through the real entry point (`python -m remoe.cli train` in a subprocess,
+    ~10 s of CPU for its imports), killed at a random moment after its first checkpoint."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "sub"
+    argv = train_argv(tmp_path, "sub")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "sub.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "remoe.cli", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        try:
+            rd.wait_for(lambda: (run / "checkpoints" / "LATEST").exists()
+                        or proc.poll() is not None, timeout=300)
+            time.sleep(random.Random(3).uniform(0.0, 0.4))
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            code = proc.wait()
+    assert code in (-signal.SIGKILL, 0), (tmp_path / "sub.log").read_text()[-2000:]
+    assert (run / ".lock").read_text().strip() in ("", str(proc.pid))  # a dead holder's PID
+    capsys.readouterr()
+    assert main(argv + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    if code != 0:
+        assert f"took over the stale lock of {run} left by pid {proc.pid}" in err
+    assert rd.strip_timing(rd.read_jsonl(run / "metrics.jsonl")) == \
+        rd.strip_timing(rd.read_jsonl(reference / "metrics.jsonl"))
+    assert rd.read_jsonl(run / "eval.jsonl") == rd.read_jsonl(reference / "eval.jsonl")
+    assert rd.same_weights(rd.weights(run), rd.weights(reference))
+    with capsys.disabled():
+        print(f" [real process: exit code {code}]", end="")
