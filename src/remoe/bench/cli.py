@@ -27,7 +27,7 @@ import torch
 from remoe import allocator
 from remoe.allocator import MODES
 
-SUITES = ("layer", "model", "machine", "all")
+SUITES = ("layer", "model", "machine", "all", "load")  # load: whole runs, not part of "all"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rows", nargs="+", default=None,
                    help="layer rows (default: dense relu topk relu_unfused hf_eager hf_grouped_mm)")
     g.add_argument("--no-memory", action="store_true", help="skip the profiler memory pass")
+    g = p.add_argument_group("load suite (needs the machine to itself)")
+    g.add_argument("--load-steps", type=int, default=24,
+                   help="steps of each default-config run (default 24)")
+    g.add_argument("--load-config", type=Path, default=None,
+                   help="experiment YAML (default: configs/tiny_remoe.yaml)")
     g = p.add_argument_group("model suite")
     g.add_argument("--preset", default=None, help="model preset (default tiny; quick: micro)")
     g.add_argument("--stage-steps", type=int, default=None,
@@ -187,6 +192,19 @@ def run(args: argparse.Namespace) -> int:
           f"({ceiling['matmul_fp32_gflops_per_cpu_s']:.1f} per CPU second)")
     use_cpu = metric == "cpu_ms"
     peak = ceiling["matmul_fp32_gflops_per_cpu_s" if use_cpu else "matmul_fp32_gflops"]
+
+    if suite == "load":
+        from remoe.bench.load import run_load
+        from remoe.train.cli import DEFAULT_CONFIG
+
+        config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+        print(f"\nload suite: `remoe train` ({config or 'default config'}), {args.load_steps} "
+              "steps per run, alone and beside one CPU-bound process")
+        res["load"] = run_load(config, steps=args.load_steps, allocator=args.allocator)
+        print()
+        print(_fmt_table(res["load"]["rows"], [
+            ("condition", "condition               ", ""), ("setting", "threads             ", ""),
+            ("tokens_per_s", "tokens/s", ",.0f"), ("vs_alone", "x alone", ".2f")]))
 
     if suite in ("layer", "all"):
         from remoe.bench import layer
