@@ -128,9 +128,11 @@ class _Reporter:
         self.t0 = time.perf_counter()
 
     def say(self, msg: str) -> None:
+        line = f"[remoe.data {time.perf_counter() - self.t0:6.1f}s] {msg}"
         if self.enabled:
-            print(f"[remoe.data {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr,
-                  flush=True)
+            print(line, file=sys.stderr, flush=True)
+        else:  # no progress display: the stage lines still reach a caller's logging handler
+            log.info(line)
 
 
 # -- bundle -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -36,9 +37,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config_path(arg: str | None) -> Path | None:
     if arg is not None:
-        return Path(arg)
+        path = Path(arg)
+        if not path.exists():  # e.g. configs/dmoe.yaml: suggest configs/paper/dmoe.yaml
+            from remoe.errors import ConfigError
+
+            cwd = Path.cwd()
+            found = {p.resolve() for root in (Path("configs"), DEFAULT_CONFIG.parent)
+                     if root.is_dir() for p in root.rglob(path.name)}
+            near = sorted(str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
+                          for p in found)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise ConfigError(f"config={arg!r} does not exist{hint}")
+        return path
     # from a source checkout; otherwise the dataclass defaults (the same tiny ReMoE)
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
+@contextlib.contextmanager
+def _data_stage_lines(enabled: bool):
+    """Without a progress display (``remoe train > log 2>&1``), data preparation's stage lines
+    (logged by ``remoe.data`` at INFO) go to stdout, on rank 0 only."""
+    import logging
+
+    if not enabled or os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    logger, handler = logging.getLogger("remoe.data"), logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _prepare_run_dir(cfg, args: argparse.Namespace) -> None:
@@ -88,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                         may_reexec=getattr(args, "owns_process", False))
 
     try:
-        trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
+        with _data_stage_lines(args.no_progress or not sys.stderr.isatty()):
+            trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
         try:
             summary = trainer.train()
         finally:

@@ -585,15 +585,31 @@ class Trainer:
             for k in ("loss", "lm_loss", "reg_loss", "aux_loss", "lambda", "sparsity", "lr",
                       "tokens_per_s", "grad_norm"):
                 self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
-        brief = (f"step {rec['step']:>5}  lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
-                 f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}  "
-                 f"{rec['tokens_per_s']:,.0f} tok/s")
+        stats = (f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
+                 f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}")
         if bar is not None:
-            bar.set_postfix_str(brief.split("  ", 1)[1])
+            bar.set_postfix_str(f"{stats}  {rec['tokens_per_s']:,.0f} tok/s")
             bar.update(1)
-        elif self.cfg.train.log_every and (rec["step"] % self.cfg.train.log_every == 0
-                                           or rec["step"] == 1):
-            print(brief, flush=True)
+            return
+        # no terminal (e.g. `remoe train > log 2>&1`): a line every log_every steps and at least
+        # every 30 s, with the step of the total, tokens/s since the last line and the ETA
+        now, total = time.monotonic(), self.cfg.train.max_steps
+        if getattr(self, "_progress_start", None) is None:  # (wall time, step, tokens) before it
+            step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
+            self._progress_start = self._progress_last = (now - step_s, rec["step"] - 1,
+                                                          rec["tokens"] - rec["step_tokens"])
+        every = self.cfg.train.log_every
+        if not every or not (rec["step"] % every == 0 or rec["step"] in (1, total)
+                             or now - self._progress_last[0] >= 30.0):
+            return
+        t0, _, k0 = self._progress_last
+        rate = (rec["tokens"] - k0) / max(now - t0, 1e-9)
+        ts, ss, _ = self._progress_start
+        left = (now - ts) / max(rec["step"] - ss, 1) * max(total - rec["step"], 0)
+        eta = f"{int(left // 60)}m{int(left % 60):02d}s"
+        print(f"step {rec['step']:>5}/{total} ({100 * rec['step'] / max(total, 1):3.0f}%)  "
+              f"{stats}  {rate:,.0f} tok/s  ETA {eta}", flush=True)
+        self._progress_last = (now, rec["step"], rec["tokens"])
 
     def _should_stop(self) -> str | None:
         tc = self.cfg.train
@@ -614,6 +630,10 @@ class Trainer:
 
             bar = tqdm(total=tc.max_steps, initial=self.step, desc=self.cfg.run.name,
                        dynamic_ncols=True)
+        elif self.dist.is_main and tc.log_every:
+            print(f"training {self.cfg.run.name}: steps {self.step + 1}-{tc.max_steps}; a line "
+                  f"every {tc.log_every} steps or 30 s (tokens/s since the previous line, ETA)",
+                  flush=True)
         if self.step == 0 and ac.record_masks_every:
             self.record_masks()
         reason = self._should_stop()
