@@ -74,3 +74,20 @@ def _strict_line(line):
         raise AssertionError(f"{name} in {line[:80]}")
 
     return json.loads(line, parse_constant=no_constant)
+
+
+@pytest.mark.parametrize("name", ["eval.jsonl", "metrics.jsonl"])
+def test_torn_last_line_is_dropped_with_a_warning(name, tmp_path, capsys):
+    from remoe.train.trainer import MetricsWriter
+
+    path = tmp_path / name
+    good = [{"step": 3, "val_loss": 5.9}, {"step": 6, "val_loss": 5.8}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good) + '{"step": 9, "val_lo')
+    w = MetricsWriter(path, resume_step=6)
+    assert w.last == good[-1]
+    w.write({"step": 7, "val_loss": 5.7})
+    w.close()
+    err = capsys.readouterr().err
+    assert f"warning: dropped 1 unreadable line(s) of {path} (line 3" in err
+    assert [json.loads(x) for x in path.read_text().splitlines()] == good + [{"step": 7,
+                                                                             "val_loss": 5.7}]
