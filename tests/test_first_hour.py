@@ -69,4 +69,6 @@ def test_train_without_a_terminal_logs_progress(tmp_path):
     assert all(int(rate.replace(",", "")) > 0 for _, rate, _, _ in lines)
     last = lines[-1]
     assert (int(last[2]), int(last[3])) == (0, 0)  # nothing left at the last step
-    assert "settled at step" in text  # the end-of-run summary follows
+    assert "settled at step" in text  # the end-of-run summary follows, naming its numbers
+    assert ("notes        validation = 1 sequences per domain (`remoe eval RUN`: the whole split)"
+            "; lambda = after the last update (the next step's" in text)

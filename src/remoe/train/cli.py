@@ -138,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if trainer.dist.is_main:
         print(format_summary(summary))
+        # name what two numbers mean (they differ from `remoe eval` and from metrics.jsonl)
+        print(f"notes        validation = {cfg.train.eval_chunks_per_domain} sequences per domain "
+              "(`remoe eval RUN`: the whole split)"
+              + ("; lambda = after the last update (the next step's; metrics.jsonl has the "
+                 "one each step used)" if summary.get("final_lambda") is not None else ""))
         if summary.get("settling_step") is None and summary.get("target_sparsity"):
             print("note: sparsity has not settled at its target yet: train longer "
                   "(--set train.max_steps=...)")
