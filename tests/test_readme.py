@@ -44,7 +44,8 @@ def test_quick_tour_snippet_runs(index, tmp_path, monkeypatch):
     code = QUICK_TOUR[index]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, f"README.md Quick tour snippet {index}", "exec"), {"__name__": "__main__"})
+        exec(compile(code, f"README.md Quick tour snippet {index}", "exec"),
+             {"__name__": "__main__"})
     printed = out.getvalue()
     assert printed.strip(), "a snippet should show its result"
     if "num_parameters" in code:  # the parameter counts the comment states

@@ -77,4 +77,5 @@ def test_single_run_report_names_its_numbers(tmp_path, synth):
     assert "LAMBADA*" in html and "12.50" in html
     # final lambda: the summary's (next step) with the last step's beside it
     assert "after the last update: the next step" in html
-    assert fmt(summary["final_lambda"]) in html and f"used in the last step: {fmt(last['lambda'])}" in html
+    assert fmt(summary["final_lambda"]) in html
+    assert f"used in the last step: {fmt(last['lambda'])}" in html

@@ -135,7 +135,8 @@ def eval_loss(run: Run) -> tuple[float, str] | None:
         return None
     chunks = res.get("loss_chunks_per_domain")
     data = (f"at most {chunks} sequences per domain" if chunks else "the whole split")
-    return float(loss["loss"]), f"{loss.get('split', res.get('split', 'held-out'))} ({data}, remoe eval)"
+    split = loss.get("split", res.get("split", "held-out"))
+    return float(loss["loss"]), f"{split} ({data}, remoe eval)"
 
 
 def final_lambda(run: Run) -> tuple[float | None, float | None]:

@@ -232,7 +232,8 @@ def model_targets(thr: list[dict], mem: list[dict], metric: str = "wall_ms",
     key = "train_cpu_ms" if metric == "cpu_ms" else "train_step_ms"
     if "relu" in by and "dense" in by:
         v = by["dense"][key] / by["relu"][key]
-        t.append({"target": f"{preset} model training tokens/s: relu (sparse) / dense", "value": round(v, 3),
+        t.append({"target": f"{preset} model training tokens/s: relu (sparse) / dense",
+                  "value": round(v, 3),
                   "limit": ">= 0.9", "met": v >= 0.9})
     if "relu" in by and "topk" in by:
         v = by["topk"][key] / by["relu"][key]

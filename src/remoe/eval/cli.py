@@ -254,7 +254,8 @@ def _saves(args: argparse.Namespace, entries: list[dict[str, Any]]) -> list[tupl
     if args.out:
         return [(Path(args.out), [e["name"] for e in entries])]
     return [(Path(e["run_dir"]) / "eval_results.json", [e["name"]]) for e in entries
-            if e["run_dir"] is not None and Path(e["path"]).resolve() == Path(e["run_dir"]).resolve()]
+            if e["run_dir"] is not None
+            and Path(e["path"]).resolve() == Path(e["run_dir"]).resolve()]
 
 
 # ----------------------------------------------------------------------------- run
