@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-only", action="store_true",
                    help="rebuild results.csv / results.md / report.html without running")
     p.add_argument("--no-report", action="store_true", help="do not build report.html")
+    p.add_argument("--gflops", type=float, default=None,
+                   help="--dry-run: one-thread GEMM GFLOP per CPU second to estimate with, instead "
+                        "of measuring it (the probe varies with the load of a shared machine)")
 
 
 def _select(spec, patterns: list[str] | None) -> set[str] | None:
@@ -56,11 +59,14 @@ def _fmt_s(s: float) -> str:
     return f"{s / 3600:.2f} h"
 
 
-def dry_run(study, log=print) -> dict:
+def dry_run(study, log=print, gflops: float | None = None) -> dict:
     """Print the runs and the estimated CPU time; returns the totals."""
     from remoe.study import estimate
 
-    gflops = estimate.probe_gflops()
+    if gflops is not None and not gflops > 0:
+        raise ConfigError(f"--gflops={gflops} must be > 0")
+    measured = gflops is None
+    gflops = estimate.probe_gflops() if measured else gflops
     rate = gflops * estimate.EFFICIENCY
     flops_of: dict[str, float] = {}
     rows, total_s, total_flops = [], 0.0, 0.0
@@ -93,8 +99,10 @@ def dry_run(study, log=print) -> dict:
     cores = len(os.sched_getaffinity(0))
     wall = total_s / min(study.jobs, cores)
     log(f"total to run: {total_flops:.3g} FLOPs, estimated {_fmt_s(total_s)} of CPU "
-        f"(~{_fmt_s(wall)} wall with --jobs {study.jobs} on {cores} cores); probe "
-        f"{gflops:.1f} GFLOP/CPU-s x efficiency {estimate.EFFICIENCY} (remoe.study.estimate)")
+        f"(~{_fmt_s(wall)} wall with --jobs {study.jobs} on {cores} cores); "
+        f"{'probe' if measured else 'given'} {gflops:.1f} GFLOP/CPU-s x efficiency "
+        f"{estimate.EFFICIENCY} + {estimate.RUN_OVERHEAD_CPU_S:.0f} CPU-s per run "
+        "(remoe.study.estimate)")
     return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall}
 
 
@@ -127,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or spec.out or Path("studies") / spec.name)
     study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only))
     if args.dry_run:
-        dry_run(study)
+        dry_run(study, gflops=args.gflops)
         return 0
     status = 0
     if not args.results_only:

@@ -19,7 +19,8 @@ validation and mask recording are added as forward passes (1/3 of a training FLO
 CPU time = FLOPs / (probe x :data:`EFFICIENCY`), where the probe is the machine's fp32 GEMM
 rate per CPU second on one thread (:func:`remoe.bench.common.matmul_ceiling`, a 512^3 ``mm``:
 ~0.1 s) and EFFICIENCY the share of it a whole training step reaches at the study's sizes
-(attention, softmax, dispatch, optimizer, evaluation, checkpoints, Python).
+(attention, softmax, dispatch, optimizer, evaluation, checkpoints, Python), plus a fixed
+:data:`RUN_OVERHEAD_CPU_S` per run.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ from typing import Any
 #: lambda at which a ReLU run's stage I (about N/2 experts per token) is taken to end; see above.
 RELU_LAMBDA_REF = 1.9e-4
 #: Achieved training FLOP/s per CPU second / the one-thread GEMM probe. Calibrated against a
-#: real short run of the study backbone on this 2-core machine (hidden 128, 4 layers,
-#: FFN 512, vocab 8192, seq 256 x 16, one thread, TopK E=8 k=1, 40 steps, no eval): see
-#: docs/STUDY.md "Estimates" for the measurement. It is one number for every router: many-expert
-#: runs spend more of their time in dispatch, so their estimates err low.
-EFFICIENCY = 0.20
-
+#: real short run of the study backbone on this 2-core machine (hidden 128, 4 layers, FFN 512,
+#: vocab 8192, seq 256 x 16, one thread, TopK E=8 k=1, no periodic eval; machine shared, load
+#: average 4-8): 40 steps took 95.9 CPU-s and 1 step 22.4 CPU-s (start-up, data, final
+#: evaluation and save), so 39 steps = 2.21e12 FLOPs in 73.5 CPU-s = 30 GFLOP/CPU-s, against a
+#: probe of 42-63 (median ~50) GFLOP/CPU-s: 0.6. It is one number for every router:
+#: many-expert runs spend more of their time in dispatch, so their estimates err low.
+EFFICIENCY = 0.6
+#: CPU seconds of a run beyond its FLOPs: interpreter and library start-up, data loading, the
+#: final evaluation and save (the 1-step run above).
+RUN_OVERHEAD_CPU_S = 20.0
 
 @dataclass
 class RunCost:
@@ -61,7 +66,8 @@ def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:
     L, N, K = mc.num_layers, mc.num_experts * mc.granularity, mc.moe_top_k * mc.granularity
     r = mc.router
     if r == "relu" and step is not None and step < steps_dense:
-        return L * N / 2.0
+        cap = getattr(mc, "max_active", 0)  # a cap on experts per token bounds stage I
+        return L * (min(N / 2.0, cap) if cap else N / 2.0)
     if r == "topk_warmup" and step is not None and step < mc.warmup_steps:
         return L * mc.warmup_k * mc.granularity
     if r == "expert_choice":
@@ -133,4 +139,4 @@ def probe_gflops() -> float:
 
 
 def cpu_seconds(cost: RunCost, gflops: float, efficiency: float = EFFICIENCY) -> float:
-    return (cost.flops + cost.extra_flops) / (gflops * 1e9 * efficiency)
+    return (cost.flops + cost.extra_flops) / (gflops * 1e9 * efficiency) + RUN_OVERHEAD_CPU_S

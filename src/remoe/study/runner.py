@@ -47,10 +47,9 @@ def threads_per_job(jobs: int) -> int:
     return max(1, cores() // max(1, jobs))
 
 
-def default_command(config_path: Path, resume: bool) -> list[str]:
-    """``python -m remoe.cli train CONFIG --no-progress [--resume]``."""
-    cmd = [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress"]
-    return cmd + (["--resume"] if resume else [])
+def default_command(config_path: Path, flags: list[str]) -> list[str]:
+    """``python -m remoe.cli train CONFIG --no-progress [--resume | --overwrite]``."""
+    return [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress", *flags]
 
 
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +131,7 @@ class Study:
     spec: StudySpec
     out: Path
     jobs: int = 1
-    command: Callable[[Path, bool], list[str]] = default_command
+    command: Callable[[Path, list[str]], list[str]] = default_command
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
     states: dict[str, RunState] = field(default_factory=dict)
@@ -333,6 +332,12 @@ class Study:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
         resume = self.summary(r) is None and self.has_checkpoint(r)
+        # no checkpoint yet but leftovers of a killed attempt: remoe train archives them
+        # (to runs/<name>.old-<time>) and starts over
+        from remoe.rundir import contents
+
+        overwrite = not resume and bool(contents(self.run_dir(r)))
+        flags = ["--resume"] if resume else (["--overwrite"] if overwrite else [])
         log = self.log_path(r)
         log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(log, "a")
@@ -340,7 +345,7 @@ class Study:
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
         fh.flush()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
-        proc = subprocess.Popen(self.command(path.resolve(), resume), stdout=fh,
+        proc = subprocess.Popen(self.command(path.resolve(), flags), stdout=fh,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_die_with_parent)
         st = self.states[r.name]

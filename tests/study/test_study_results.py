@@ -1,0 +1,75 @@
+"""Result tables from hand-made run directories: seed statistics and the ReLU columns."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from remoe.study.results import lambda_amplitude, mean_std, write_results
+from remoe.study.spec import apply_stop, load_spec
+
+
+def _fake_run(runs_dir, run, val, domains, metrics=None):
+    d = runs_dir / run.name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(apply_stop(run, runs_dir, 1)))
+    (d / "summary.json").write_text(json.dumps({"steps": 10, "tokens": 1000, "flops": 5e9,
+                                                "elapsed_s": 2.0, "router": run.config["model"]
+                                                ["router"], "val_loss": val}))
+    (d / "eval.jsonl").write_text(json.dumps({"step": 10, "val_loss": val, "domains": domains}) + "\n")
+    if metrics:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_mean_and_sample_std_over_seeds(write_spec, tmp_path):
+    spec = load_spec(write_spec({"seeds": [0, 1, 2], "groups": [
+        {"name": "g", "grid": {"model.router": ["topk"]}}]}))
+    out = tmp_path / "out"
+    for r, v in zip(spec.runs, (4.0, 4.2, 4.6)):
+        _fake_run(out / "runs", r, v, {"code": v - 1.0})
+    _, md, rows = write_results(spec, out, None)
+    assert [r["val_loss"] for r in rows] == [4.0, 4.2, 4.6]
+    m, s, n = mean_std([4.0, 4.2, 4.6])
+    assert (m, n) == (pytest.approx(4.2666666667), 3)
+    assert s == pytest.approx(math.sqrt(((4.0 - m) ** 2 + (4.2 - m) ** 2 + (4.6 - m) ** 2) / 2))
+    text = md.read_text()
+    assert f"| `topk` | 3/3 | 4.2667 ± {s:.4f} |" in text
+    assert f"| {m - 1:.3f} ± {s:.3f} |" in text  # the code domain
+    assert mean_std([4.0, None, float("nan")]) == (4.0, None, 1)  # one seed: no spread
+
+
+def test_relu_columns_from_metrics(write_spec, tmp_path):
+    spec = load_spec(write_spec({"groups": [{"name": "g", "set": {"model.router": "relu"}}]}))
+    run = spec.runs[0]  # micro: 2 layers, E=4, target sparsity 0.75
+    metrics = []
+    for step in range(1, 41):
+        settled = step > 10
+        s = 0.75 if settled else 0.3
+        metrics.append({"step": step, "flops": 100.0 * step, "sparsity": s,
+                        "layer_sparsity": [s - 0.05, s + 0.05] if settled else [s, s],
+                        "lambda": 1e-3 * (10.0 if step == 30 else 1.0) if settled else 1e-8,
+                        "reg_loss": 1.0, "lm_loss": 5.0, "step_tokens": 64,
+                        # layer 1, expert 3: no token (< 1/64: inactive); expert 2: 3/64
+                        "expert_counts": [[16, 16, 16, 16], [30, 31, 3, 0]]})
+    _fake_run(tmp_path / "out" / "runs", run, 4.0, {}, metrics)
+    _, md, rows = write_results(spec, tmp_path / "out", None)
+    row = rows[0]
+    assert row["settle_step"] == 13  # detect_stages: 5-step centred mean, then the band
+    assert row["flops_to_settle"] == 1200.0  # FLOPs of steps 1-12
+    assert row["layer_sparsity"] == "0.7000/0.8000"
+    assert row["layer_dev_max"] == pytest.approx(0.05)
+    assert row["lambda_log10_amp"] == pytest.approx(1.0)
+    assert (row["inactive_experts"], row["num_experts_total"], row["inactive_source"]) == \
+        (1, 8, "expert_counts")
+    assert "Sparsity control" in md.read_text()
+
+
+def test_lambda_amplitude_takes_the_worst_layer():
+    recs = [{"step": 1, "lambda": 1.0, "lambda_layers": [1.0, 1.0]},
+            {"step": 2, "lambda": 1.0, "lambda_layers": [10.0, 1000.0]},
+            {"step": 3, "lambda": 1.0, "lambda_layers": [1.0, 1.0]}]
+    assert lambda_amplitude(recs, 1) == pytest.approx(3.0)
+    assert lambda_amplitude([{"step": 1, "lambda": 2.0}], 1) is None

@@ -1,0 +1,145 @@
+"""The runner with a stub trainer: jobs and threads, no rerun of finished runs, resume after
+kill -9, failures, match_flops_of, changed configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from remoe.errors import ConfigError
+from remoe.study.runner import Study, cores
+from remoe.study.spec import load_spec
+
+
+STUB = Path(__file__).with_name("stub_train.py")
+
+
+def stub_command(config_path, flags):
+    """The study's child command, with the stub in place of ``remoe train``."""
+    return [sys.executable, str(STUB), str(config_path), *flags]
+
+
+def _calls(out: Path) -> list[str]:
+    p = out / "stub_calls.log"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def _study(spec_path, out, **kw):
+    return Study(load_spec(spec_path), out, command=stub_command, log=lambda m: None, **kw)
+
+
+def test_runs_jobs_threads_and_never_redoes_finished_runs(write_spec, tmp_path):
+    spec = write_spec({"seeds": [0, 1], "groups": [
+        {"name": "g", "grid": {"model.router": ["topk", "relu"]}},
+        {"name": "m", "label": "flops-{label}", "runs": [{"label": "dense",
+                                                          "set": {"model.router": "dense"}}],
+         "match_flops_of": "relu", "seeds": [1]}]})
+    out = tmp_path / "out"
+    assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0
+    calls = _calls(out)
+    assert len(calls) == 5
+    threads = max(1, cores() // 2)
+    assert all(f"threads={threads} omp={threads}" in c for c in calls)
+    state = json.loads((out / "study.json").read_text())
+    assert {n: r["state"] for n, r in state["runs"].items()} == dict.fromkeys(
+        ["topk-s0", "topk-s1", "relu-s0", "relu-s1", "flops-dense-s1"], "done")
+    # the matched run stopped at the FLOPs its reference spent (stub: 1000 * E per step)
+    ref = json.loads((out / "runs/relu-s1/summary.json").read_text())["flops"]
+    cfg = (out / "configs/flops-dense-s1.yaml").read_text()
+    assert f"max_flops: {ref}" in cfg
+    # a second study on the same directory does nothing
+    assert _study(spec, out, jobs=1).run(poll_s=0.02) == 0
+    assert len(_calls(out)) == 5
+
+
+def test_failed_run_is_reported_and_does_not_stop_the_others(write_spec, tmp_path, monkeypatch):
+    spec = write_spec({"groups": [{"name": "g", "grid": {"model.router": ["topk", "relu"]}},
+                                  {"name": "m", "label": "m-{label}", "runs": [{"label": "d"}],
+                                   "match_flops_of": "relu"}]})
+    out = tmp_path / "out"
+    monkeypatch.setenv("STUB_FAIL", "relu-s0")
+    logs = []
+    st = Study(load_spec(spec), out, command=stub_command, log=logs.append)
+    assert st.run(poll_s=0.02) == 1
+    state = json.loads((out / "study.json").read_text())["runs"]
+    assert state["topk-s0"]["state"] == "done"
+    assert state["relu-s0"]["state"] == "failed" and state["relu-s0"]["exit_status"] == 3
+    assert state["m-d-s0"]["state"] == "skipped"
+    text = "\n".join(logs)
+    assert "FAILED relu-s0: exit status 3" in text and "stub: simulated failure" in text
+    monkeypatch.delenv("STUB_FAIL")
+    assert _study(spec, out).run(poll_s=0.02) == 0  # retried; topk not redone
+    assert [c.split()[0] for c in _calls(out)] == ["topk-s0", "relu-s0", "relu-s0", "m-d-s0"]
+
+
+def test_changed_config_of_a_finished_run_is_refused(write_spec, tmp_path):
+    spec = write_spec({"groups": [{"name": "g", "set": {"model.router": "topk"}}]})
+    out = tmp_path / "out"
+    assert _study(spec, out).run(poll_s=0.02) == 0
+    spec = write_spec({"groups": [{"name": "g", "set": {"model.router": "relu"}}]})
+    with pytest.raises(ConfigError, match=r"g-s0 \(model.router: 'topk' -> 'relu'\)"):
+        _study(spec, out).run(poll_s=0.02)
+
+
+DRIVER = """
+import sys
+from remoe.study.runner import Study
+from remoe.study.spec import load_spec
+def stub_command(config_path, flags):
+    return [sys.executable, {stub!r}, str(config_path), *flags]
+Study(load_spec({spec!r}), {out!r}, jobs=2, command=stub_command).run(poll_s=0.02)
+"""
+
+
+def test_kill_9_mid_study_then_rerun_resumes(write_spec, tmp_path):
+    spec = write_spec({"groups": [{"name": "g", "grid": {"model.num_experts": [2, 4, 8]},
+                                   "stop": {"steps": 6}}]})
+    out = tmp_path / "out"
+    env = {**os.environ, "STUB_STEP_S": "0.4"}
+    code = DRIVER.format(stub=str(STUB), spec=str(spec), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.time() + 120
+    # kill once the first two runs are mid-way (a checkpoint, no summary)
+    while time.time() < deadline:
+        ck = [out / "runs" / n / "checkpoints" / "LATEST" for n in ("E2-s0", "E4-s0")]
+        if all(p.exists() for p in ck) and int(ck[0].read_text()[5:]) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.0)  # children got SIGTERM from the kernel (PR_SET_PDEATHSIG)
+    assert not (out / "runs/E2-s0/summary.json").exists()
+    steps_before = len((out / "runs/E2-s0/metrics.jsonl").read_text().splitlines())
+    time.sleep(0.8)  # nobody keeps writing: the children are gone
+    assert len((out / "runs/E2-s0/metrics.jsonl").read_text().splitlines()) == steps_before
+    assert json.loads((out / "study.json").read_text())["runs"]["E2-s0"]["state"] == "running"
+
+    assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0
+    calls = _calls(out)
+    assert [c for c in calls if c.startswith("E2-s0")][-1].startswith("E2-s0 --resume")
+    assert [c for c in calls if c.startswith("E8-s0")] == [calls[-1]]
+    assert all(c.split()[1] != "--resume" for c in calls if c.startswith("E8-s0"))
+    metrics = (out / "runs/E2-s0/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics][-1] == 6
+    n_calls = len(calls)
+    assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0  # all done: nothing runs
+    assert len(_calls(out)) == n_calls
+
+
+def test_only_selects_runs_and_their_flops_reference(write_spec, tmp_path):
+    from remoe.study.cli import _select
+
+    spec = load_spec(write_spec({"groups": [
+        {"name": "g", "grid": {"model.router": ["topk", "relu"]}},
+        {"name": "m", "label": "m-{label}", "runs": [{"label": "d"}], "match_flops_of": "relu"}]}))
+    st = Study(spec, tmp_path / "out", command=stub_command, only=_select(spec, ["m"]))
+    assert [r.name for r in st.selected()] == ["relu-s0", "m-d-s0"]
+    with pytest.raises(ConfigError, match="matches no run"):
+        _select(spec, ["zzz*"])
