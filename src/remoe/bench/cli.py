@@ -108,8 +108,9 @@ def _judge(targets: list[dict], quick: bool) -> list[dict]:
 
 def _print_targets(targets: list[dict]) -> None:
     if targets and not any(t.get("judged", True) for t in targets):
-        print("  targets not judged (smoke run); values for reference: " + "; ".join(
-            f"{t['target']}: {t['value']}" for t in targets))
+        print("  targets not judged (smoke run: not the targets' shapes); values for reference:")
+        for t in targets:
+            print(f"  [ smoke] {t['target']}: {t['value']}")
         return
     for t in targets:
         mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
@@ -185,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     # inflate CPU time, so wall time decides.
     metric = "cpu_ms" if torch.get_num_threads() == 1 else "wall_ms"
     res["metric"] = metric
-    print(f"targets are judged on {'process CPU time (1 thread)' if metric == 'cpu_ms' else 'wall time'}")
+    basis = "process CPU time (1 thread)" if metric == "cpu_ms" else "wall time"
+    print("smoke run: no target is judged; ratios use " + basis if args.quick
+          else f"targets are judged on {basis}")
     ceiling = common.matmul_ceiling(quick=args.quick)
     res["machine_ceiling"] = ceiling
     print(f"machine ceiling: fp32 matmul {ceiling['matmul_fp32_gflops']:.1f} GFLOP/s "
