@@ -12,22 +12,13 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from remoe import registry
 from remoe.errors import ConfigError
 
-#: Every value ``model.router`` accepts. ``dense`` and ``dense_wide`` replace the MoE layer by
-#: a dense SwiGLU FFN of width ``d_ffn`` and ``num_experts * d_ffn`` ("Dense x E") respectively.
-ROUTERS = (
-    "relu",  # ReMoE: ReLU(x W), adaptive load-balanced L1 (this paper)
-    "topk",  # dMoE: TopK(Softmax(x W)), dropless, Switch load-balancing loss
-    "topk_warmup",  # TopK with near-dense warm-up (k = warmup_k for warmup_steps steps)
-    "hash",  # Hash layer: token_id mod E
-    "expert_choice",  # each expert picks its top-C tokens
-    "sparsemixer",  # SparseMixer-v2 (GRIN) gradient estimator for TopK
-    "lory",  # Lory: segment-level expert merging
-    "dense",  # dense FFN with the active width
-    "dense_wide",  # dense FFN with E x the width (the "Dense x 8" upper bound)
-)
-DENSE_ROUTERS = ("dense", "dense_wide")
+#: The built-in values of ``model.router`` (remoe.registry; user modules may register more).
+#: ``dense`` and ``dense_wide`` replace the MoE layer by a dense SwiGLU FFN of width ``d_ffn``
+#: and ``num_experts * d_ffn`` ("Dense x E"); ``lory`` is Lory's segment-merging FFN.
+ROUTERS = tuple(registry.BUILTINS)
 REG_TYPES = ("lb", "l1")
 SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
 LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
@@ -77,6 +68,7 @@ class ReMoEConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-5,
         init_std: float = 0.02,
         router: str = "relu",
+        router_module: str | None = None,
         num_experts: int = 8,
         top_k: int | None = None,
         granularity: int = 1,
@@ -117,6 +109,13 @@ class ReMoEConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.init_std = init_std
         self.router = router
+        # a router registered by a user module: the module is imported here (before validation)
+        # and recorded in config.json, so the saved model loads wherever it is importable
+        if router_module:
+            registry.import_modules([router_module], "model.router_module")
+        elif isinstance(router, str) and router not in registry.BUILTINS and router in registry.names():
+            router_module = registry.resolve(router).__module__
+        self.router_module = router_module
         self.num_experts = num_experts
         # k is stored as `moe_top_k`: transformers treats any config attribute named `top_k` as a
         # sampling setting. `top_k=` is accepted as the constructor's name for it.
@@ -168,7 +167,12 @@ class ReMoEConfig(PretrainedConfig):
 
     @property
     def is_moe(self) -> bool:
-        return self.router not in DENSE_ROUTERS
+        return bool(registry.declares(self.router, "is_moe"))
+
+    @property
+    def uses_adaptive_reg(self) -> bool:
+        """The router's reg_loss is scaled by the adaptive lambda (ReLU)."""
+        return bool(registry.declares(self.router, "uses_adaptive_reg"))
 
     @property
     def target_sparsity(self) -> float:
@@ -233,7 +237,9 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
         v = _k(c) if name == "top_k" else getattr(c, name)
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
               f"{p}{name}={v!r} must be a positive integer")
-    _need(c.router in ROUTERS, f"{p}router={c.router!r} must be one of {', '.join(ROUTERS)}")
+    _need(isinstance(c.router, str) and c.router in registry.names(),
+          f"{p}router={c.router!r} must be one of {', '.join(registry.names())} (or a router "
+          "registered by the module named in model.router_module)")
     _need(c.reg_type in REG_TYPES, f"{p}reg_type={c.reg_type!r} must be one of {', '.join(REG_TYPES)}")
     _need(c.expert_backend in EXPERT_BACKENDS,
           f"{p}expert_backend={c.expert_backend!r} must be one of {', '.join(EXPERT_BACKENDS)}")
@@ -246,9 +252,7 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
     _need(_k(c) <= c.num_experts, f"{p}top_k={_k(c)} must be <= {p}num_experts={c.num_experts}")
     _need(c.ffn_hidden_size % c.granularity == 0,
           f"{p}granularity={c.granularity} must divide {p}ffn_hidden_size={c.ffn_hidden_size}")
-    if c.router == "topk_warmup":  # warmup_k only exists for this router (default 6 > small E)
-        _need(c.warmup_k <= c.num_experts,
-              f"{p}warmup_k={c.warmup_k} must be <= {p}num_experts={c.num_experts}")
+    registry.resolve(c.router).validate_config(c, p)  # the router's own checks
     _need(_real(c.alpha) and c.alpha > 1.0, f"{p}alpha={c.alpha!r} must be a finite number > 1")
     _need(_real(c.lambda0) and c.lambda0 > 0,
           f"{p}lambda0={c.lambda0!r} must be a positive finite number")
@@ -274,9 +278,6 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
           and c.warmup_steps >= 0, f"{p}warmup_steps={c.warmup_steps!r} must be an integer >= 0")
     _need(_real(c.sparsemixer_jitter) and 0 <= c.sparsemixer_jitter < 1,
           f"{p}sparsemixer_jitter={c.sparsemixer_jitter!r} must be in [0, 1)")
-    if c.router == "lory":  # one merged expert of the full width per segment
-        _need(_k(c) == 1 and c.granularity == 1, f"{p}router=lory needs {p}top_k=1 and "
-              f"{p}granularity=1 (got {_k(c)} and {c.granularity})")
     lfs = getattr(c, "lory_first_segment", "uniform")
     _need(lfs in LORY_FIRST_SEGMENT, f"{p}lory_first_segment={lfs!r} must be one of "
           f"{', '.join(LORY_FIRST_SEGMENT)}")

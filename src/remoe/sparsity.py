@@ -224,7 +224,7 @@ class SparsityControl:
 
 def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
     """The sparsity control ``cfg`` (a ReMoEConfig) asks for; None for non-adaptive routers."""
-    if cfg.router != "relu":
+    if not cfg.uses_adaptive_reg:  # the router declares it (remoe.registry)
         return None
 
     def one() -> LambdaController:

@@ -352,8 +352,8 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
     if el is not None:
         facts.append((f"held-out loss: {el[1]}", fmt(el[0])))
     nxt, used = final_lambda(run)
-    if f["router"] != "relu":
-        facts.append(("final λ", "– (not ReLU)"))
+    if not _adaptive(f["router"]):
+        facts.append(("final λ", "– (no adaptive λ for this router)"))
     elif nxt is not None:
         facts.append(("final λ (after the last update: the next step's, as in the training "
                       "summary)", f"{fmt(nxt)} (used in the last step: {fmt(used)})"))
@@ -456,3 +456,13 @@ def build_report(run_paths: list[str], opts: ReportOptions, log=print) -> str:
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _adaptive(router: str | None) -> bool:
+    """Whether ``router`` declares an adaptive lambda (remoe.registry); unknown names: no."""
+    from remoe import registry
+
+    try:
+        return bool(router) and bool(registry.declares(router, "uses_adaptive_reg"))
+    except Exception:  # a router registered by a module this process has not imported
+        return False

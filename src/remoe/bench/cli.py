@@ -52,7 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="G values swept at E=8 (default 1 8 64)")
     g.add_argument("--grid", action="store_true", help="the full E x G grid instead of two sweeps")
     g.add_argument("--rows", nargs="+", default=None,
-                   help="layer rows (default: dense relu topk relu_unfused hf_eager hf_grouped_mm)")
+                   help="layer rows (default: dense relu topk relu_unfused hf_eager hf_grouped_mm; "
+                        "any registered router name also works)")
+    g.add_argument("--router-module", nargs="+", default=[], metavar="MODULE",
+                   help="modules that register routers (remoe.register_router) to import first")
     g.add_argument("--no-memory", action="store_true", help="skip the profiler memory pass")
     g = p.add_argument_group("load suite (needs the machine to itself)")
     g.add_argument("--load-steps", type=int, default=24,
@@ -131,6 +134,10 @@ def _stages_line(st: dict) -> str:
 
 def _child_call(mode: str, threads: int, fn, args, kwargs):
     sys.stdout.reconfigure(line_buffering=True)  # progress lines as they happen
+    from remoe import registry
+
+    registry.import_modules([m for m in os.environ.get("REMOE_ROUTER_MODULES", "").split(",") if m],
+                            "--router-module")
     allocator.configure(mode, "remoe bench", may_reexec=False)  # the parent preloaded tcmalloc
     torch.set_num_threads(threads)
     return fn(*args, **kwargs)
@@ -164,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     from remoe.bench import common
 
     allocator.check_mode(args.allocator, "remoe bench")
+    if args.router_module:  # user routers: imported here and in every measuring child
+        from remoe import registry
+
+        registry.import_modules(args.router_module, "--router-module")
+        os.environ["REMOE_ROUTER_MODULES"] = ",".join(args.router_module)
     alloc_desc = allocator.describe(args.allocator)
 
     if args.threads:

@@ -184,6 +184,14 @@ def build_rows(case: LayerCase, rows: tuple[str, ...] = ROWS, seed: int = 0):
             if f"hf_{impl}" in rows:
                 mods[f"hf_{impl}"] = _hf_block(topk, case, impl)
                 _hf_biased_router(mods[f"hf_{impl}"].gate, b)
+    for row in rows:  # any other registered token router (remoe.registry), as initialised
+        if row not in mods and row not in ROWS:
+            from remoe import registry
+
+            if not registry.is_token_router(row):
+                raise ValueError(f"--rows {row!r} is not a token router")
+            torch.manual_seed(seed + 3)
+            mods[row] = MoELayer(_moe_cfg(case, row))
     return x, ctx, mods
 
 

@@ -92,6 +92,30 @@ class LoryMoE(nn.Module):
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.d_model, cfg.d_ffn, cfg.init_std)
         self._stream: _Stream | None = None
 
+    # declarations read through remoe.registry (see remoe.model.routers.base.Router)
+    is_moe = True
+    uses_adaptive_reg = False
+    has_router_weights = True
+    expert_parallel = False  # merged experts: no token dispatch to shard
+    uses_all_params = False  # DDP: the first segment's router may get no gradient
+
+    @classmethod
+    def from_config(cls, cfg: MoEConfig) -> "LoryMoE":
+        return cls(cfg)
+
+    @classmethod
+    def validate_config(cls, cfg, prefix: str = "model.") -> None:
+        k = getattr(cfg, "moe_top_k", None) or cfg.top_k
+        if k != 1 or cfg.granularity != 1:  # one merged expert of the full width per segment
+            raise ConfigError(f"{prefix}router=lory needs {prefix}top_k=1 and "
+                              f"{prefix}granularity=1 (got {k} and {cfg.granularity})")
+
+    @classmethod
+    def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:
+        """Lory reports every expert as used by every token but computes one merged expert per
+        token (plus merging E experts once per segment)."""
+        return tokens * cfg.num_layers * (1.0 + cfg.num_experts / cfg.lory_segment_len)
+
     @property
     def active_experts_per_token(self) -> int:
         """All E experts are merged into the FFN every token uses."""

@@ -106,10 +106,33 @@ class MoELayer(nn.Module):
 class DenseFFN(nn.Module):
     """Dense SwiGLU in the same slot (``dense``: width d_ffn; ``dense_wide``: E x d_ffn)."""
 
+    # declarations read through remoe.registry (see remoe.model.routers.base.Router)
+    is_moe = False
+    uses_adaptive_reg = False
+    has_router_weights = False
+    expert_parallel = False
+    uses_all_params = True
+
+    @classmethod
+    def width(cls, cfg) -> int:
+        """Hidden width of the dense FFN (``cfg`` a MoEConfig or ReMoEConfig-like object)."""
+        return getattr(cfg, "d_ffn", None) or cfg.ffn_hidden_size
+
+    @classmethod
+    def from_config(cls, cfg: MoEConfig) -> "DenseFFN":
+        return cls(cfg)
+
+    @classmethod
+    def validate_config(cls, cfg, prefix: str = "model.") -> None:
+        pass
+
+    @classmethod
+    def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:
+        return 0.0
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        width = cfg.d_ffn * (cfg.num_experts if cfg.router == "dense_wide" else 1)
-        self.ffn = SwiGLU(cfg.d_model, width, cfg.init_std)
+        self.ffn = SwiGLU(cfg.d_model, self.width(cfg), cfg.init_std)
 
     def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
         z = x.new_zeros((), dtype=torch.float32)
@@ -117,12 +140,20 @@ class DenseFFN(nn.Module):
         return self.ffn(x), LayerAux(z, z, x.new_zeros(0, dtype=torch.float32), T)
 
 
-def build_ffn(cfg: MoEConfig) -> nn.Module:
-    """The FFN slot named by ``cfg.router``; every kind returns ``(y, LayerAux)``."""
-    if cfg.router in ("dense", "dense_wide"):
-        return DenseFFN(cfg)
-    if cfg.router == "lory":
-        from remoe.model.lory import LoryMoE
+class DenseWideFFN(DenseFFN):
+    """``dense_wide``: a dense SwiGLU E times as wide ("Dense x E", the paper's upper bound)."""
 
-        return LoryMoE(cfg)
-    return MoELayer(cfg)
+    @classmethod
+    def width(cls, cfg) -> int:
+        return super().width(cfg) * cfg.num_experts
+
+
+def build_ffn(cfg: MoEConfig) -> nn.Module:
+    """The FFN slot named by ``cfg.router`` (:mod:`remoe.registry`): a token router goes into an
+    :class:`MoELayer`, an FFN kind (dense, dense_wide, lory, ...) is the slot itself. Every
+    kind returns ``(y, LayerAux)``."""
+    from remoe import registry
+
+    if registry.is_token_router(cfg.router):
+        return MoELayer(cfg)
+    return registry.resolve(cfg.router).from_config(cfg)

@@ -249,6 +249,8 @@ def _model_annotation(key: str, default: Any) -> str:
     """The type a model field takes, read off ReMoEConfig's constructor defaults."""
     if key == "top_k":
         return "int"
+    if key == "router_module":
+        return "str|None"
     if default is None:
         return "int|None"
     return type(default).__name__ if type(default) in (bool, int, float, str) else "Any"
@@ -265,6 +267,10 @@ def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
             continue
         _check(key in params, f"unknown key model.{key} (allowed: preset, {', '.join(params)})")
         out[key] = _coerce(value, _model_annotation(key, params[key].default), f"model.{key}")
+    if out.get("router_module"):  # a user's router registers itself on import
+        from remoe import registry
+
+        registry.import_modules([out["router_module"]], "model.router_module")
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remoe import registry
 from remoe.config import ReMoEConfig
 
 
@@ -25,11 +26,11 @@ class FlopCounter:
         D, L, dh = c.hidden_size, c.num_layers, c.head_dim
         attn_proj = D * (c.num_heads * dh) * 2 + D * (c.num_kv_heads * dh) * 2
         attn_scores = 2 * self.seq_len * c.num_heads * dh  # QK^T and AV
-        router = D * c.num_experts * c.granularity if c.is_moe and c.router not in ("hash",) else 0
+        kind = registry.resolve(c.router)
+        router = D * c.num_experts * c.granularity if c.is_moe and kind.has_router_weights else 0
         per_layer = 2 * (attn_proj + router) + 2 * attn_scores
         if not c.is_moe:
-            width = c.ffn_hidden_size * (c.num_experts if c.router == "dense_wide" else 1)
-            per_layer += 2 * 3 * D * width
+            per_layer += 2 * 3 * D * kind.width(c)
         return L * per_layer + 2 * D * c.vocab_size
 
     def expert_pair_flops(self) -> float:
@@ -44,10 +45,7 @@ class FlopCounter:
     def effective_pairs(self, counted_pairs: float, tokens: int) -> float:
         """Pairs that cost an expert computation. Lory reports every expert as used by every
         token but computes one merged expert per token (plus merging E experts per segment)."""
-        c = self.cfg
-        if c.router == "lory":
-            return tokens * c.num_layers * (1.0 + c.num_experts / c.lory_segment_len)
-        return counted_pairs
+        return registry.resolve(self.cfg.router).effective_pairs(self.cfg, counted_pairs, tokens)
 
     def train_flops(self, tokens: int, active_pairs: float) -> float:
         return 3.0 * self.forward_flops(tokens, active_pairs)

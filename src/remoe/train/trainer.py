@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from remoe import rundir
+from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import ReLURouter
@@ -292,7 +293,8 @@ class Trainer:
         if self.ep is not None:  # each rank owns different experts: DDP must not touch them
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(self.ep.params))
         return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   find_unused_parameters=self.model_cfg.router in ("hash", "lory"))
+                   find_unused_parameters=not registry.declares(self.model_cfg.router,
+                                                                "uses_all_params"))
 
     # -- expert parallelism (train.expert_parallel; see remoe.model.expert_parallel) --------
     def _setup_expert_parallel(self):

@@ -44,8 +44,31 @@ class Routing:
 class Router(nn.Module):
     """Base class: subclasses implement :meth:`forward` ``(x_TD, ctx) -> Routing``."""
 
-    #: True when the router's ``reg_loss`` must be scaled by the adaptive lambda controller.
+    # Declarations read by the rest of remoe through remoe.registry (never by name):
+    #: the MoE layer routes tokens to experts (FFN kinds such as dense say False)
+    is_moe: bool = True
+    #: ``reg_loss`` must be scaled by the adaptive lambda controller (ReLU)
     uses_adaptive_reg: bool = False
+    #: a learned [N, D] router: 2*D*N FLOPs per token and layer
+    has_router_weights: bool = True
+    #: train.expert_parallel can shard the experts of a layer with this router
+    expert_parallel: bool = True
+    #: every parameter gets a gradient in every step (False: DDP looks for unused ones)
+    uses_all_params: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "Router":
+        """Build from a :class:`remoe.model.moe.MoEConfig` (each router maps its own fields)."""
+        raise NotImplementedError(f"{cls.__name__}.from_config")
+
+    @classmethod
+    def validate_config(cls, cfg, prefix: str = "model.") -> None:
+        """Extra config checks of this router (ConfigError naming the field); none by default."""
+
+    @classmethod
+    def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:
+        """(token, expert) pairs that cost an expert computation, from the counted ones."""
+        return counted_pairs
 
     def __init__(self, d_model: int, num_experts: int, init_std: float = 0.02) -> None:
         super().__init__()

@@ -59,6 +59,11 @@ class ExpertChoiceRouter(Router):
         self.k = k
         self.capacity_factor = float(capacity_factor)
 
+    @classmethod
+    def from_config(cls, cfg) -> "ExpertChoiceRouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
+                   cfg.capacity_factor, init_std=cfg.init_std)
+
     @property
     def active_experts_per_token(self) -> float:
         """Mean experts per token (N*C/T ~ K * capacity_factor), for active-parameter counts."""

@@ -48,6 +48,14 @@ class HashRouter(Router):
         del self.weight
         self.register_parameter("weight", None)
 
+    has_router_weights = False
+    uses_all_params = False  # DDP: the (absent) router weight never gets a gradient
+
+    @classmethod
+    def from_config(cls, cfg) -> "HashRouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
+                   init_std=cfg.init_std)
+
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         T = x_TD.shape[0]
         ids = ctx.token_ids_T

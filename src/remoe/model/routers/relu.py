@@ -72,6 +72,13 @@ class ReLURouter(Router):
         self.revive_coeff = float(revive_coeff)
         self._dead_N: Tensor | None = None  # experts under revival (set between steps)
 
+    @classmethod
+    def from_config(cls, cfg) -> "ReLURouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
+                   load_balance=cfg.reg_type == "lb", init_std=cfg.init_std,
+                   max_active=cfg.max_active, gate_threshold=cfg.gate_threshold,
+                   revive_coeff=cfg.revive_coeff)
+
     def set_dead_experts(self, dead_N: Tensor | None) -> None:
         """Experts (bool [N]) whose revival hinge is on until the next call (None: none)."""
         self._dead_N = dead_N if dead_N is not None and bool(dead_N.any()) else None

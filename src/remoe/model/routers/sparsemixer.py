@@ -111,6 +111,11 @@ class SparseMixerRouter(Router):
         self.lb_coeff = lb_coeff
         self.jitter_eps = float(jitter_eps)
 
+    @classmethod
+    def from_config(cls, cfg) -> "SparseMixerRouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
+                   cfg.lb_coeff, cfg.sparsemixer_jitter, init_std=cfg.init_std)
+
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         logits_TN = self.logits(x_TD)
         gates_TN, mask_TN = sparsemixer_route(logits_TN, self.k, self.jitter_eps, self.training)

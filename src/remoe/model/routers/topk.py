@@ -52,6 +52,11 @@ class TopKRouter(Router):
         self.warmup_steps = warmup_steps
         self.normalize = normalize
 
+    @classmethod
+    def from_config(cls, cfg) -> "TopKRouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
+                   cfg.lb_coeff, init_std=cfg.init_std, normalize=cfg.topk_normalize)
+
     def active_k(self, step: int | None) -> int:
         """k in force at an optimizer step (``None`` = inference = after warm-up)."""
         if self.warmup_k is not None and step is not None and step < self.warmup_steps:
@@ -66,3 +71,23 @@ class TopKRouter(Router):
             gates_TN = gates_TN / gates_TN.sum(dim=-1, keepdim=True)
         aux = self.lb_coeff * switch_load_balancing_loss(probs_TN, mask_TN) if self.lb_coeff else zero(x_TD)
         return Routing(gates_TN, mask_TN, zero(x_TD), aux)
+
+
+class TopKWarmupRouter(TopKRouter):
+    """TopK with the near-dense warm-up of the paper's Appendix F (``warmup_k`` x G experts for
+    the first ``warmup_steps`` optimizer steps, then k x G)."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "TopKWarmupRouter":
+        G = cfg.granularity
+        return cls(cfg.d_model, cfg.num_experts * G, cfg.top_k * G, cfg.lb_coeff,
+                   warmup_k=cfg.warmup_k * G, warmup_steps=cfg.warmup_steps,
+                   init_std=cfg.init_std, normalize=cfg.topk_normalize)
+
+    @classmethod
+    def validate_config(cls, cfg, prefix: str = "model.") -> None:
+        from remoe.errors import ConfigError
+
+        if cfg.warmup_k > cfg.num_experts:
+            raise ConfigError(f"{prefix}warmup_k={cfg.warmup_k} must be <= "
+                              f"{prefix}num_experts={cfg.num_experts}")

@@ -1,0 +1,105 @@
+"""Names for ``model.router``: the token routers and FFN kinds, and what each one declares.
+
+A name resolves to a class. Token routers subclass :class:`remoe.model.routers.Router` and sit
+inside the MoE layer; FFN kinds (``dense``, ``dense_wide``, ``lory``) replace the whole FFN
+slot. Each class declares, as class attributes, what the rest of remoe needs to know, so no
+other module spells a router's name:
+
+==================== ====================================================================
+``is_moe``            the slot routes tokens to experts (False: a dense FFN)
+``adaptive_reg``      its ``reg_loss`` is scaled by the adaptive lambda controller (ReLU)
+``has_router_weights`` it has a learned ``[N, D]`` router (FLOPs: ``2 D N`` per token)
+``expert_parallel``   ``train.expert_parallel`` can shard its experts
+``uses_all_params``   every parameter gets a gradient every step (False: DDP must look for
+                      unused ones)
+==================== ====================================================================
+
+and a classmethod ``from_config(cfg: MoEConfig)``. A user's router registers itself with
+``@register_router("name")`` when its module is imported; ``model.router_module`` names such a
+module (imported before validation, and recorded in config.json), so ``remoe train``/``eval``/``analyze``/``bench`` use it with no edit
+to remoe (docs/ROUTERS.md). The built-ins are imported lazily, by dotted path, so this module
+imports nothing heavy and sits below every package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from remoe.errors import ConfigError
+
+#: built-in names -> "module:Class" (imported on first use). Order = documentation order.
+BUILTINS: dict[str, str] = {
+    "relu": "remoe.model.routers.relu:ReLURouter",  # ReMoE (this paper)
+    "topk": "remoe.model.routers.topk:TopKRouter",  # dMoE, Switch LB loss
+    "topk_warmup": "remoe.model.routers.topk:TopKWarmupRouter",  # Appendix F warm-up
+    "hash": "remoe.model.routers.hash:HashRouter",  # token id mod E
+    "expert_choice": "remoe.model.routers.expert_choice:ExpertChoiceRouter",
+    "sparsemixer": "remoe.model.routers.sparsemixer:SparseMixerRouter",  # GRIN
+    "lory": "remoe.model.lory:LoryMoE",  # FFN kind: segment-level expert merging
+    "dense": "remoe.model.moe:DenseFFN",  # FFN kind: dense, active width
+    "dense_wide": "remoe.model.moe:DenseWideFFN",  # FFN kind: dense, E x the width
+}
+
+_user: dict[str, type] = {}  # registered at import time by user modules (append-only)
+
+
+def names() -> tuple[str, ...]:
+    """Every name ``model.router`` accepts (built-ins first, then registered ones)."""
+    return tuple(BUILTINS) + tuple(n for n in _user if n not in BUILTINS)
+
+
+def _check_new(name: str, cls: type) -> None:
+    if not isinstance(name, str) or not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"router name {name!r} must be a non-empty identifier")
+    old = _user.get(name)
+    if name in BUILTINS or (old is not None and old.__qualname__ != cls.__qualname__):
+        raise ValueError(f"router name {name!r} is already taken")
+    if not callable(getattr(cls, "from_config", None)):
+        raise TypeError(f"{cls.__name__} must define a classmethod from_config(cfg)")
+
+
+def register_router(name: str):
+    """Class decorator: make a :class:`~remoe.model.routers.Router` subclass (token router)
+    or an FFN-slot module available as ``model.router=name``."""
+
+    def deco(cls: type) -> type:
+        _check_new(name, cls)
+        cls.registry_name = name
+        _user[name] = cls
+        return cls
+
+    return deco
+
+
+def resolve(name: str) -> type:
+    """The class behind ``name`` (ConfigError naming the field when unknown)."""
+    if name in _user:
+        return _user[name]
+    target = BUILTINS.get(name)
+    if target is None:
+        raise ConfigError(f"model.router={name!r} must be one of {', '.join(names())} "
+                          "(or a router registered by the module named in model.router_module)")
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def declares(name: str, what: str) -> Any:
+    """One declaration of ``name``'s class (see the module docstring)."""
+    return getattr(resolve(name), what)
+
+
+def is_token_router(name: str) -> bool:
+    """True for routers that sit inside the MoE layer (False for FFN kinds)."""
+    from remoe.model.routers.base import Router
+
+    return issubclass(resolve(name), Router)
+
+
+def import_modules(modules: list[str], field: str = "run.imports") -> None:
+    """Import user modules so their ``@register_router`` decorators run."""
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise ConfigError(f"{field}: cannot import {m!r}: {e}") from e
