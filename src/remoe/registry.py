@@ -96,7 +96,7 @@ def is_token_router(name: str) -> bool:
     return issubclass(resolve(name), Router)
 
 
-def import_modules(modules: list[str], field: str = "run.imports") -> None:
+def import_modules(modules: list[str], field: str = "model.router_module") -> None:
     """Import user modules so their ``@register_router`` decorators run."""
     for m in modules:
         try:

@@ -113,7 +113,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     inactive, total, source = inactive_experts(run, target)
     row.update(inactive_experts=inactive, num_experts_total=total, inactive_source=source)
     m = run.metrics
-    adaptive = mc is not None and mc.router == "relu"
+    adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.registry)
     if adaptive and len(m) and m.has("sparsity") and target is not None:
         st = detect_stages(m.steps, m["sparsity"], target, m["lambda"] * m["reg_loss"],
                            m["lm_loss"])
@@ -213,7 +213,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
         ges = [e for e in entries if e["group"] == group]
         domains = sorted({k for e in ges for r in e["rows"] for k in r
                           if k.startswith("val_") and k != "val_loss"})
-        relu = any(r.get("target_sparsity") is not None and r.get("router") == "relu"
+        relu = any(r.get("target_sparsity") is not None and _adaptive(r.get("router"))
                    for e in ges for r in e["rows"])
         lines += [f"## {group}", ""]
         head = ["run", "n"] + [h for _, h, _ in NUMERIC] + [d[4:] for d in domains]
@@ -229,7 +229,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                                                                      "inactive from"]
             body = []
             for e in ges:
-                rs = [r for r in e["rows"] if r.get("router") == "relu"]
+                rs = [r for r in e["rows"] if _adaptive(r.get("router"))]
                 if not rs:
                     continue
                 per_layer = [[float(x) for x in r["layer_sparsity"].split("/")]
@@ -262,3 +262,13 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
     tmp.write_text(markdown(spec, rows, out))
     tmp.replace(md)
     return csv_path, md, rows
+
+
+def _adaptive(router: str | None) -> bool:
+    """Whether a row's router declares an adaptive lambda (unknown names: no)."""
+    from remoe import registry
+
+    try:
+        return bool(router) and bool(registry.declares(router, "uses_adaptive_reg"))
+    except Exception:  # a user router whose module this process has not imported
+        return False
