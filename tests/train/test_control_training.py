@@ -90,3 +90,18 @@ def test_per_layer_lambda_identical_on_two_ranks(make_overrides, tmp_path):
     assert a[0]["lambda_layers"] == b[0]["lambda_layers"]
     for ra, rb in zip(a[:2], b[:2]):  # per-layer sparsities summed over ranks: same lambdas
         assert rb["lambda_layers"] == pytest.approx(ra["lambda_layers"], rel=1e-9)
+
+
+def test_analyze_stages_draws_and_measures_each_layers_lambda(make_overrides, tmp_path):
+    from remoe.analysis.analyze import Options, analyze_stages
+    from remoe.analysis.runlog import Run
+
+    Trainer(load_config(None, make_overrides(tmp_path, "a", **OPTIONS)), progress=False).train()
+    out = tmp_path / "analysis"
+    out.mkdir()
+    rec = analyze_stages(Run(tmp_path / "a"), out, Options())
+    stored = json.loads((out / "stages.json").read_text())
+    assert "lambda_log10_amplitude_stage3" in stored
+    L = len(read(tmp_path / "a" / "metrics.jsonl")[0]["lambda_layers"])
+    assert len(stored["lambda_layers_log10_amplitude_stage3"]) == L
+    assert (out / "stages.png").stat().st_size > 10_000 and rec["files"]

@@ -119,6 +119,12 @@ def compute_stages(run: Run, opts: Options) -> Stages:
                          eps=opts.stage_eps, smooth=opts.smooth)
 
 
+def _log10_span(x: np.ndarray) -> float | None:
+    """log10(max / min) of the finite positive values (None when there are none)."""
+    x = x[np.isfinite(x) & (x > 0)]
+    return float(np.log10(x.max() / x.min())) if x.size else None
+
+
 def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
     st = compute_stages(run, opts)
     m = run.metrics
@@ -137,9 +143,16 @@ def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
         sel = stage == k
         rec[f"{name}_steps"] = int(sel.sum())
         rec[f"{name}_mean_sparsity"] = float(np.nanmean(m["sparsity"][sel])) if sel.any() else None
+    # how far lambda swings once settled (decades; issue 11's limit-cycle measure)
+    third = stage == 3
+    rec["lambda_log10_amplitude_stage3"] = _log10_span(lam[third])
+    lam_SL = m.per_layer("lambda_layers")  # per-layer control ([steps, 0] otherwise)
+    if lam_SL.size:
+        rec["lambda_layers_log10_amplitude_stage3"] = [_log10_span(c[third]) for c in lam_SL.T]
     files.append(write_json(out / "stages.json", rec))
     fig = plots.fig_stages(m.steps, m["sparsity"], lam, reg, lm, st,
-                           f"{run.name}: three-stage training (router={run.router})")
+                           f"{run.name}: three-stage training (router={run.router})",
+                           lam_SL=lam_SL if lam_SL.size else None)
     files.append(plots.save_png(fig, out / "stages.png"))
     return {**rec, "files": _rel(files, out)}
 

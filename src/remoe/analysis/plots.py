@@ -86,8 +86,11 @@ def _positive(x: np.ndarray) -> bool:
 
 # ----------------------------------------------------------------------------- training logs
 
-def fig_stages(steps, sparsity, lam, reg, lm, st: Stages | None, title: str) -> Figure:
-    """Fig. 4: (a) S_i with target and stages, (b) lambda_i and L_reg, (c) L_lm and lambda*L_reg."""
+def fig_stages(steps, sparsity, lam, reg, lm, st: Stages | None, title: str,
+               lam_SL: np.ndarray | None = None) -> Figure:
+    """Fig. 4: (a) S_i with target and stages, (b) lambda_i and L_reg, (c) L_lm and lambda*L_reg.
+
+    ``lam_SL`` ([steps, L], per-layer control): each layer's lambda is drawn in (b) too."""
     fig = new_figure(15, 4.8)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     fig.suptitle(title, fontsize=12)
@@ -116,8 +119,13 @@ def fig_stages(steps, sparsity, lam, reg, lm, st: Stages | None, title: str) -> 
     _legend(ax1, below=True, ncol=2)
 
     _shade_stages(ax2, st)
+    if lam_SL is not None and lam_SL.size and _positive(lam_SL[np.isfinite(lam_SL)]):
+        for l in range(lam_SL.shape[1]):
+            ax2.plot(steps, lam_SL[:, l], lw=0.8, alpha=0.8, color=plt_cmap_layers(l, lam_SL.shape[1]),
+                     label=rf"$\lambda_{{i,{l}}}$ (layer {l})")
     if _positive(lam):
-        ax2.plot(steps, lam, color="C3", lw=1.0, label=r"$\lambda_i$")
+        label = r"$\lambda_i$" if lam_SL is None or not lam_SL.size else r"mean over layers"
+        ax2.plot(steps, lam, color="C3", lw=1.0, label=label)
         ax2.set_yscale("log")
         ax2.set_ylabel(r"$\lambda_i$ (log)", color="C3")
     else:
@@ -412,6 +420,11 @@ def fig_top_tokens(per_expert: list[list[dict]], layer: int, names: Callable[[in
             cell.get_text().set_horizontalalignment("center")
     ax.set_title(title + (f"\n{note}" if note else ""), fontsize=11)
     return fig
+
+
+def plt_cmap_layers(l: int, L: int):
+    """A colour per layer, from light (first) to dark (last)."""
+    return _cmap("viridis")(0.15 + 0.7 * l / max(1, L - 1))
 
 
 def _clip(s: str, n: int = 14) -> str:

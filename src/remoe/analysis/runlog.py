@@ -84,7 +84,12 @@ class Metrics:
 
     def layer_sparsity(self) -> np.ndarray:
         """[steps, L] per-layer sparsity (NaN rows where missing); [steps, 0] if never logged."""
-        rows = [r.get("layer_sparsity") for r in self.records]
+        return self.per_layer("layer_sparsity")
+
+    def per_layer(self, key: str) -> np.ndarray:
+        """[steps, L] of a per-layer list column (``layer_sparsity``, ``lambda_layers``,
+        ``dead_experts``, ...): NaN rows where missing; [steps, 0] if never logged."""
+        rows = [r.get(key) for r in self.records]
         L = max((len(x) for x in rows if isinstance(x, list)), default=0)
         out = np.full((len(rows), L), np.nan)
         for i, x in enumerate(rows):
