@@ -172,3 +172,46 @@ def load_hf_tokenizer(path: str | os.PathLike[str]):
         unk_token=eos,
         clean_up_tokenization_spaces=False,
     )
+
+
+def write_hf_tokenizer_files(path: str | os.PathLike[str], directory: str | os.PathLike[str],
+                             model_max_length: int | None = None) -> list[str]:
+    """Make ``directory`` an ``AutoTokenizer`` directory for the tokenizer at ``path``.
+
+    Writes ``tokenizer.json`` (the file itself, byte for byte), ``tokenizer_config.json`` and
+    ``special_tokens_map.json``: the end-of-text token is EOS, BOS, UNK and the padding token
+    (it never occurs inside a document, and padded positions are masked), padding is on the
+    left (batched generation), and ``model_max_length`` is the model's context.
+    """
+    from shutil import copyfile
+
+    d = Path(directory)
+    src = Path(path)
+    if src.is_dir():
+        src = src / "tokenizer.json"
+    if src.resolve() != (d / "tokenizer.json").resolve():
+        copyfile(src, d / "tokenizer.json")
+    tok = Tokenizer.from_file(str(src))
+    found = find_eos(tok)
+    if found is None:  # the model was trained with an added EOS: write it into the file too
+        ensure_eos(tok)
+        atomic_write_text(d / "tokenizer.json", tok.to_str(pretty=True))
+        found = find_eos(tok)
+    eos, eos_id = found
+    special = {"bos_token": eos, "eos_token": eos, "pad_token": eos, "unk_token": eos}
+    cfg: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "padding_side": "left",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(eos_id): {"content": eos, "lstrip": False,
+                                                "normalized": False, "rstrip": False,
+                                                "single_word": False, "special": True}},
+    }
+    if model_max_length:
+        cfg["model_max_length"] = int(model_max_length)
+    atomic_write_text(d / "tokenizer_config.json", json.dumps(cfg, indent=2) + "\n")
+    atomic_write_text(d / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

@@ -188,6 +188,17 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save, then the model's code and ``auto_map`` (loads with
+        ``trust_remote_code=True`` without remoe), the tokenizer files of the directory it
+        was loaded from, and a model card (:mod:`remoe.hf.bundle`)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            from remoe.hf.bundle import finish_save
+
+            finish_save(self, save_directory)
+        return out
+
     def forward(
         self,
         input_ids: Tensor,

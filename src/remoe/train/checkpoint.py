@@ -1,8 +1,9 @@
 """Checkpoints: verified atomic writes, keep-last-N, resume selection, and loading a model from
 any run/checkpoint/HF dir.
 
-A checkpoint directory is a Hugging Face ``save_pretrained`` directory (``model.safetensors`` +
-``config.json``) plus ``tokenizer.json``, ``trainer_state.pt`` (optimizer, scheduler, lambda
+A checkpoint directory is a complete Hugging Face repository (``model.safetensors``,
+``config.json`` with ``auto_map`` and the bundled model code, tokenizer files, generation config,
+model card; see :func:`write_model_dir`) plus ``trainer_state.pt`` (optimizer, scheduler, lambda
 controller, RNG states, data position) and ``checksums.json`` (size and sha256 of every file,
 written last). It is written into a temporary sibling directory and renamed into place, then
 ``LATEST`` is replaced atomically: an interrupted write never leaves a half checkpoint under a
@@ -33,15 +34,25 @@ RUNTIME_MODEL_FIELDS = ("expert_backend", "recompute_experts")
 
 def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None,
                     state: dict[str, Any] | None = None) -> Path:
-    """Write an HF model directory (+ tokenizer.json, + trainer state, + checksums.json)
-    atomically to ``final``; a failure (a full disk included) leaves nothing half-written."""
+    """Write a complete HF model directory (+ trainer state, + checksums.json) atomically to
+    ``final``; a failure (a full disk included) leaves nothing half-written.
+
+    The directory is a shareable Hugging Face repository: weights, ``config.json`` with
+    ``auto_map`` and the model's code (:mod:`remoe.hf.bundle`), the tokenizer files
+    (``AutoTokenizer``, pad = eos, left padding), ``generation_config.json`` and a model card
+    ``README.md`` with the run's numbers at this step (:mod:`remoe.hf.card`)."""
+    from remoe.data.tokenizer import write_hf_tokenizer_files
+    from remoe.hf.card import find_run_dir, write_card
+
     tmp = rundir.temp_path(final)
     if tmp.exists():
         shutil.rmtree(tmp)
     with rundir.writing(final, cleanup=tmp):
-        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        m = unwrap(model)
+        m.save_pretrained(tmp, safe_serialization=True)
         if tokenizer_path:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            write_hf_tokenizer_files(tokenizer_path, tmp, m.config.max_position_embeddings)
+        write_card(tmp, m, find_run_dir(final), step=(state or {}).get("step"))
         if state is not None:
             torch.save(state, tmp / STATE_FILE)
         rundir.write_manifest(tmp)
