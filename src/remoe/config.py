@@ -91,6 +91,9 @@ class ReMoEConfig(PretrainedConfig):
         warmup_k: int = 6,
         warmup_steps: int = 100,
         sparsemixer_jitter: float = 0.01,
+        bias_update_rate: float = 1e-3,
+        blockffn_locality_coeff: float = 2e-3,
+        blockffn_chunk_len: int = 64,
         expert_backend: str = "auto",
         recompute_experts: bool = False,
         eos_token_id: int | None = 0,
@@ -141,6 +144,9 @@ class ReMoEConfig(PretrainedConfig):
         self.warmup_k = warmup_k
         self.warmup_steps = warmup_steps
         self.sparsemixer_jitter = sparsemixer_jitter
+        self.bias_update_rate = bias_update_rate
+        self.blockffn_locality_coeff = blockffn_locality_coeff
+        self.blockffn_chunk_len = blockffn_chunk_len
         self.expert_backend = expert_backend
         self.recompute_experts = recompute_experts
         kwargs.setdefault("tie_word_embeddings", False)
@@ -205,6 +211,9 @@ class ReMoEConfig(PretrainedConfig):
             lory_segment_len=self.lory_segment_len, lory_first_segment=self.lory_first_segment,
             warmup_k=self.warmup_k,
             warmup_steps=self.warmup_steps, sparsemixer_jitter=self.sparsemixer_jitter,
+            bias_update_rate=self.bias_update_rate,
+            blockffn_locality_coeff=self.blockffn_locality_coeff,
+            blockffn_chunk_len=self.blockffn_chunk_len,
             expert_backend=self.expert_backend, recompute_experts=self.recompute_experts,
             init_std=self.init_std,
         )
@@ -233,7 +242,7 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
     p = prefix
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                  "ffn_hidden_size", "max_position_embeddings", "num_experts", "top_k",
-                 "granularity", "lory_segment_len", "warmup_k"):
+                 "granularity", "lory_segment_len", "warmup_k", "blockffn_chunk_len"):
         v = _k(c) if name == "top_k" else getattr(c, name)
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
               f"{p}{name}={v!r} must be a positive integer")
@@ -262,7 +271,8 @@ def validate_model_fields(c: Any, prefix: str = "model.") -> None:
     _need(getattr(c, "lambda_update", "sign") in LAMBDA_UPDATES,
           f"{p}lambda_update={getattr(c, 'lambda_update', None)!r} must be one of "
           f"{', '.join(LAMBDA_UPDATES)}")
-    for name in ("lambda_pi_kp", "lambda_pi_ki", "revive_coeff", "gate_threshold"):
+    for name in ("lambda_pi_kp", "lambda_pi_ki", "revive_coeff", "gate_threshold",
+                 "bias_update_rate", "blockffn_locality_coeff"):
         v = getattr(c, name, 0.0)
         _need(_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
     for name in ("revive_after", "max_active"):

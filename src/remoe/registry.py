@@ -36,6 +36,8 @@ BUILTINS: dict[str, str] = {
     "hash": "remoe.model.routers.hash:HashRouter",  # token id mod E
     "expert_choice": "remoe.model.routers.expert_choice:ExpertChoiceRouter",
     "sparsemixer": "remoe.model.routers.sparsemixer:SparseMixerRouter",  # GRIN
+    "topk_auxfree": "remoe.model.routers.topk_auxfree:AuxFreeTopKRouter",  # DeepSeek-V3 bias
+    "blockffn": "remoe.model.routers.blockffn:BlockFFNRouter",  # ReLU + RMSNorm, chunk sparsity
     "lory": "remoe.model.lory:LoryMoE",  # FFN kind: segment-level expert merging
     "dense": "remoe.model.moe:DenseFFN",  # FFN kind: dense, active width
     "dense_wide": "remoe.model.moe:DenseWideFFN",  # FFN kind: dense, E x the width

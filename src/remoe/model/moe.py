@@ -44,6 +44,9 @@ class MoEConfig:
     warmup_k: int = 6
     warmup_steps: int = 100
     sparsemixer_jitter: float = 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
+    bias_update_rate: float = 1e-3  # topk_auxfree: expert-bias step per optimizer step
+    blockffn_locality_coeff: float = 2e-3  # blockffn: weight of the activation-locality loss
+    blockffn_chunk_len: int = 64  # blockffn: tokens per chunk of the chunk-sparsification loss
     expert_backend: str = "auto"  # auto | grouped_mm | reference
     recompute_experts: bool = False
     init_std: float = 0.02

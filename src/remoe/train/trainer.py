@@ -34,7 +34,7 @@ from remoe import rundir
 from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
-from remoe.model.routers import ReLURouter
+from remoe.model.routers import ReLURouter, Router
 from remoe.sparsity import build_controller
 from remoe.threads import ThreadTuner, usable_cores
 from remoe.train import checkpoint as ckpt_io
@@ -214,8 +214,11 @@ class Trainer:
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
         self.relu_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
                              if isinstance(r, ReLURouter)]
+        # the token router of every MoE layer, in the order of the rows of the expert counts
+        self.token_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
+                              if isinstance(r, Router)]
         # the paper's single lambda by default; per-layer / PI / revival on request
-        self.controller = build_controller(self.model_cfg, len(self.relu_routers))
+        self.controller = build_controller(self.model_cfg, len(self.token_routers))
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -482,6 +485,8 @@ class Trainer:
                                    f"{ckpt_io.latest_checkpoint(self.ckpt_root)}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for router, counts_N in zip(self.token_routers, counts_LN):  # no-op but topk_auxfree
+            router.after_step(counts_N)
 
         reg_term = (coeff * reg if reg_L is None  # lambda * L_reg as the step's loss used it
                     else sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L))

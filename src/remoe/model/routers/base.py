@@ -85,6 +85,12 @@ class Router(nn.Module):
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:  # pragma: no cover
         raise NotImplementedError
 
+    def after_step(self, counts_N: Tensor) -> None:
+        """Called by the trainer once after every optimizer step with this layer's tokens per
+        expert in that step (``[N]``, summed over micro-batches and data-parallel ranks, so every
+        rank sees the same counts). A hook for routers with non-gradient state (the expert bias
+        of ``topk_auxfree``); nothing by default."""
+
 
 def zero(x: Tensor) -> Tensor:
     return x.new_zeros((), dtype=torch.float32)
