@@ -1,4 +1,10 @@
-"""``remoe data``: build (or verify) the corpus, tokenizer and token cache, print a summary."""
+"""``remoe data``: build (or verify) the corpus, tokenizer and token cache, print a summary.
+
+``remoe data CONFIG [--set data.x=v ...]`` takes the experiment config ``remoe train CONFIG``
+takes, with the same overrides, and builds exactly the cache training will use (its ``data:``
+section, ``cache_dir`` resolved from the working directory as training does). Without a
+config, the options below describe the data (default: the built-in corpus).
+"""
 
 from __future__ import annotations
 
@@ -13,35 +19,64 @@ from remoe.errors import ConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``remoe data`` options to ``parser``."""
     d = DataConfig()
+    parser.add_argument("config", nargs="?", default=None,
+                        help="experiment YAML, as for `remoe train CONFIG`: build the cache its "
+                             "data section names (then use --set, not the options below)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config field, as for `remoe "
+                        "train` (e.g. --set data.vocab_size=4096); implies the default "
+                        "experiment config when CONFIG is not given")
     parser.add_argument("--source", action="append", dest="sources", metavar="SPEC",
                         help="data source (repeatable): 'builtin', 'builtin:code,prose', a "
                              ".txt/.jsonl/.jsonl.zst file or directory, or NAME=PATH "
                              "(default: builtin)")
-    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+    parser.add_argument("--cache-dir", default=None,
                         help=f"cache directory (default: {DEFAULT_CACHE_DIR})")
-    parser.add_argument("--vocab-size", type=int, default=d.vocab_size,
+    parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"BPE vocabulary size to train (default: {d.vocab_size})")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="use this tokenizer.json or GPT-2 vocab.json (+merges.txt) instead "
                              "of training one")
-    parser.add_argument("--max-bytes-per-domain", type=int, default=d.max_bytes_per_domain,
+    parser.add_argument("--max-bytes-per-domain", type=int, default=None,
                         help=f"byte budget per domain (default: {d.max_bytes_per_domain:,})")
-    parser.add_argument("--val-fraction", type=float, default=d.val_fraction,
+    parser.add_argument("--val-fraction", type=float, default=None,
                         help=f"validation share of documents (default: {d.val_fraction})")
-    parser.add_argument("--test-fraction", type=float, default=d.test_fraction,
+    parser.add_argument("--test-fraction", type=float, default=None,
                         help=f"test share of documents (default: {d.test_fraction})")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+_OPTIONS = {"sources": "--source", "cache_dir": "--cache-dir", "vocab_size": "--vocab-size",
+            "tokenizer": "--tokenizer", "max_bytes_per_domain": "--max-bytes-per-domain",
+            "val_fraction": "--val-fraction", "test_fraction": "--test-fraction"}
+
+
 def config_from_args(args: argparse.Namespace) -> DataConfig:
+    """The data config: an experiment config's data section (CONFIG / --set), else the options."""
+    given = [opt for f, opt in _OPTIONS.items() if getattr(args, f, None) not in (None, [])]
+    if getattr(args, "config", None) is not None or getattr(args, "overrides", None):
+        if given:
+            raise ConfigError(f"{given[0]} cannot be combined with an experiment config: use "
+                              f"--set data.{next(f for f, o in _OPTIONS.items() if o == given[0])}"
+                              "=VALUE, so that training uses the same cache")
+        from pathlib import Path
+
+        from remoe.train.cli import _config_path
+        from remoe.train.config import load_config
+
+        data = load_config(_config_path(args.config), args.overrides).data
+        data.cache_dir = str(Path(data.cache_dir).resolve())  # as the trainer resolves it
+        return data
+    d = DataConfig()
     return DataConfig(
         sources=list(args.sources) if args.sources else ["builtin"],
-        cache_dir=args.cache_dir,
-        vocab_size=args.vocab_size,
+        cache_dir=args.cache_dir if args.cache_dir is not None else DEFAULT_CACHE_DIR,
+        vocab_size=args.vocab_size if args.vocab_size is not None else d.vocab_size,
         tokenizer=args.tokenizer,
-        max_bytes_per_domain=args.max_bytes_per_domain,
-        val_fraction=args.val_fraction,
-        test_fraction=args.test_fraction,
+        max_bytes_per_domain=(args.max_bytes_per_domain if args.max_bytes_per_domain is not None
+                              else d.max_bytes_per_domain),
+        val_fraction=args.val_fraction if args.val_fraction is not None else d.val_fraction,
+        test_fraction=args.test_fraction if args.test_fraction is not None else d.test_fraction,
     )
 
 

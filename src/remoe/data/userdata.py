@@ -3,8 +3,9 @@
 * ``.txt``: one document per file; its domain is the name given in the source spec
   (``NAME=PATH``) or else the file's parent directory name.
 * ``.jsonl`` / ``.jsonl.zst`` / ``.jsonl.gz``: one document per line,
-  ``{"text": ..., "meta": {"pile_set_name": ...}}``; a record without a set name gets the
-  domain given in the spec or ``"unknown"``. A spec name overrides the set names.
+  ``{"text": ..., "meta": {"pile_set_name": ...}}``: a record's set name is its domain (so
+  ``pile=train.jsonl.zst`` keeps the Pile's domains); a record without one gets the name given
+  in the spec, else ``"unknown"``.
 
 Bad input is never used silently: a binary ``.txt`` or a truncated/corrupt compressed file is
 a :class:`~remoe.data.errors.DataError` naming the file; skipped records, invalid UTF-8 and
@@ -161,7 +162,7 @@ def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
                     continue
                 meta = rec.get("meta") if isinstance(rec, dict) else None
                 set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
-                dom = domain or (str(set_name) if set_name else UNKNOWN_DOMAIN)
+                dom = str(set_name) if set_name else (domain or UNKNOWN_DOMAIN)
                 docs += 1
                 yield Document(dom, f"{prefix}:{lineno}", normalize_text(text))
             if buf is None:

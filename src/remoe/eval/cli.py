@@ -351,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
             zs = run_tasks(lm, plan, limit=args.limit)
             rec["zero_shot"] = zs["results"]
             rec["n_samples"] = zs["n_samples"]
+            rec["zero_shot_skipped"] = zs.get("skipped", {})  # continuation longer than context
         models.append(rec)
         del model
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from remoe.eval.builtin_tasks import BUILTIN_TASKS, DOMAIN, HELLASWAG, LAMBADA
+from remoe.eval.fit import fit_tasks
 from remoe.eval.offline import force_offline
 from remoe.eval.standard import PAPER_TASK_NAMES, StandardTask, resolve_standard_tasks
 
@@ -111,8 +112,10 @@ def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
               log_samples: bool = False) -> dict[str, Any]:
     """Evaluate ``lm`` (an lm-eval LM) on the runnable tasks of ``plan``.
 
+    Every task is first fitted to the model's context (:func:`remoe.eval.fit.fit_tasks`).
     Returns ``{"results": {task: {metric: value}}, "n_samples": {task: n}, "truncated":
-    requests cut from the left to fit the model, "samples": {...} (with log_samples)}``.
+    requests cut from the left to fit the model, "skipped": {task: examples whose continuation
+    alone does not fit}, "samples": {...} (with log_samples)}``.
     """
     force_offline()
     import datasets
@@ -122,7 +125,7 @@ def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
     datasets.disable_progress_bars()
     specs = plan.runnable
     if not specs:
-        return {"results": {}, "n_samples": {}, "truncated": 0}
+        return {"results": {}, "n_samples": {}, "truncated": 0, "skipped": {}}
     include = [str(plan.builtin_dir)] if plan.builtin_dir is not None else None
     tm = TaskManager(include_path=include, include_defaults=False)
     counter = _Quiet()
@@ -130,7 +133,13 @@ def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
     for lg in loggers:
         lg.addFilter(counter)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=tm, limit=limit,
+        objs: list[Any] = []
+        for spec in specs:  # built here so that they can be fitted to the model's context
+            loaded = tm.load([spec])
+            group = loaded["groups"].get(spec) if isinstance(spec, str) else None
+            objs.extend([group] if group is not None else loaded["tasks"].values())
+        objs, fit = fit_tasks(lm, objs)
+        out = lm_eval.simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit,
                                       bootstrap_iters=0, log_samples=log_samples,
                                       confirm_run_unsafe_code=False)
     finally:
@@ -145,7 +154,8 @@ def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
                          if "," in k and "stderr" not in k and isinstance(v, (int, float))}
     n = {t: int(v.get("effective", v.get("original", 0)) if isinstance(v, dict) else v)
          for t, v in (out or {}).get("n-samples", {}).items()}
-    res: dict[str, Any] = {"results": results, "n_samples": n, "truncated": counter.count}
+    res: dict[str, Any] = {"results": results, "n_samples": n, "truncated": counter.count,
+                           "skipped": fit.skipped}
     if log_samples:
         res["samples"] = (out or {}).get("samples", {})
     return res

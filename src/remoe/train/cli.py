@@ -143,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
               "(`remoe eval RUN`: the whole split)"
               + ("; lambda = after the last update (the next step's; metrics.jsonl has the "
                  "one each step used)" if summary.get("final_lambda") is not None else ""))
-        if summary.get("settling_step") is None and summary.get("target_sparsity"):
+        # only an adaptive router (it has a lambda controller) steers toward a target
+        if summary.get("settling_step") is None and summary.get("target_sparsity") \
+                and summary.get("final_lambda") is not None:
             print("note: sparsity has not settled at its target yet: train longer "
                   "(--set train.max_steps=...)")
     return 0
