@@ -16,6 +16,7 @@ from remoe import ROUTERS, ReMoEConfig, ReMoEForCausalLM
 ROUTER_OPTIONS = {
     "lory": dict(lory_segment_len=8),  # 4 segments per 32-token sequence
     "topk_warmup": dict(warmup_k=4, warmup_steps=2),  # the switch happens inside the run
+    "blockffn": dict(blockffn_chunk_len=8),  # 4 chunks per 32-token sequence
 }
 
 
@@ -53,6 +54,7 @@ def _build(router: str, **kw) -> ReMoEForCausalLM:
 
 @pytest.mark.parametrize("router, kw, experts_used", [
     ("relu", {}, 1), ("topk", {}, 1), ("topk_warmup", {}, 1), ("sparsemixer", {}, 1),
+    ("topk_auxfree", {}, 1),
     ("hash", {}, 1), ("expert_choice", {}, 1), ("expert_choice", dict(capacity_factor=2.0), 2),
     ("topk", dict(granularity=4), 4), ("hash", dict(top_k=2), 2), ("lory", {}, 8),
 ])
