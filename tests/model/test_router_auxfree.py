@@ -65,7 +65,8 @@ def test_after_step_sign_rule_by_hand():
     router = AuxFreeTopKRouter(4, 4, k=1, bias_update_rate=r)
     # mean load 5: expert 0 over-loaded, 1 under-loaded, 2 and 3 exactly at the mean
     router.after_step(torch.tensor([10.0, 0.0, 5.0, 5.0], dtype=torch.float64))
-    assert router.expert_bias_N.tolist() == pytest.approx([-r, r, 0.0, 0.0], abs=1e-9)  # fp32 buffer
+    # (the buffer is fp32)
+    assert router.expert_bias_N.tolist() == pytest.approx([-r, r, 0.0, 0.0], abs=1e-9)
     # mean 3: signs (-, +, +, +), mean of the step 0.5 r, removed
     router.after_step(torch.tensor([9.0, 1.0, 1.0, 1.0]))
     want = [-r - 1.5 * r, r + 0.5 * r, 0.5 * r, 0.5 * r]
