@@ -21,6 +21,7 @@ COMMANDS = {
     "report": ("remoe.analysis.report_cli", "an HTML report of one or several runs"),
     "bench": ("remoe.bench.cli", "layer / model / machine benchmarks (table + JSON)"),
     "study": ("remoe.study.cli", "a resumable grid of training runs from one YAML, with tables"),
+    "convert": ("remoe.convert.cli", "upcycle a dense model, import a Mixtral, export to Mixtral"),
 }
 
 
