@@ -1,4 +1,9 @@
-"""Validation / test loss overall and per domain.
+"""The losses of the method, in one place: the training objective and the held-out loss.
+
+``total_loss`` is ``L = L_lm + lambda * L_reg + L_aux`` (paper eq. 10; with per-layer control
+``(1/L) sum_l lambda_l L_reg,l``), shared by the trainer and ``remoe bench``.
+
+Validation / test loss overall and per domain:
 
 ``evaluate_loss`` takes evaluation batches ``(input_ids [B, S+1], domain_ids [B])`` (as
 :meth:`remoe.data.DataBundle.eval_batches` yields them), predicts tokens ``1..S`` of each row
@@ -74,3 +79,16 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[Any], domain_names: 
         if n > 0:
             domains[name] = {"loss": s / n, "ppl": _ppl(s / n), "tokens": int(n)}
     return {"loss": loss, "ppl": _ppl(loss), "tokens": int(total_tokens), "domains": domains}
+
+
+def total_loss(out: Any, coeff: float = 0.0, layer_coeffs: list[float] | None = None):
+    """The training objective of one forward ``out`` (a ReMoEOutput with ``labels``).
+
+    ``coeff`` is the single lambda (the paper); ``layer_coeffs`` one lambda per MoE layer
+    (``model.sparsity_control=per_layer``), which then replaces ``coeff``.
+    """
+    aux = out.aux
+    if layer_coeffs is None:  # the paper: one lambda times the mean over layers
+        return out.loss + coeff * aux.reg_loss + aux.aux_loss
+    lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype, device=aux.reg_losses_L.device)
+    return out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss

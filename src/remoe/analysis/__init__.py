@@ -10,7 +10,7 @@ ratios, domain specialisation, dynamic allocation, top tokens per expert).
 from remoe.analysis.flips import FlipSeries, flip_rate, flip_series
 from remoe.analysis.routing import RoutingStats, collect_routing_stats
 from remoe.analysis.runlog import Run, load_masks
-from remoe.analysis.stages import Stages, detect_stages
+from remoe.stages import Stages, detect_stages
 
 __all__ = ["FlipSeries", "RoutingStats", "Run", "Stages", "collect_routing_stats",
            "detect_stages", "flip_rate", "flip_series", "load_masks"]

@@ -22,7 +22,7 @@ from remoe.analysis import plots
 from remoe.analysis.flips import FlipSeries, flip_series
 from remoe.analysis.routing import INACTIVE_RATIO, RoutingStats, collect_routing_stats, spearman
 from remoe.analysis.runlog import Run
-from remoe.analysis.stages import (SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS, Stages,
+from remoe.stages import (SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS, Stages,
                                    band_excursions, centered_mean, detect_stages, mean_std_after)
 from remoe.analysis.tokens import TokenNames
 from remoe.errors import ConfigError
@@ -259,7 +259,7 @@ def routing_stats(run: Run, opts: Options, cache: Path | None) -> tuple[RoutingS
     """The routing statistics of the run's model (one pass), reused from ``cache`` when it was
     made from the same weights, evaluation tokens, token budget and layers."""
     from remoe.analysis.evaldata import eval_tokens
-    from remoe.train.checkpoint import load_model, resolve_model_dir
+    from remoe.loading import load_model, resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(opts.checkpoint or run.path)
@@ -414,7 +414,7 @@ def analyze_allocation(run: Run, stats: RoutingStats, names: TokenNames, out: Pa
 def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
     """What the outputs depend on: the run's files (size, mtime), the mask files, the model
     weights (for the model-based analyses) and the options."""
-    from remoe.train.checkpoint import resolve_model_dir
+    from remoe.loading import resolve_model_dir
 
     files: dict[str, Any] = {}
     for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from remoe.analysis.analyze import ANALYSES, Options, analyze
 from remoe.analysis.runlog import Run
-from remoe.analysis.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
+from remoe.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 from remoe.errors import ConfigError
 
 

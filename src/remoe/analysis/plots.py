@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from remoe.analysis.stages import Stages, band_excursions, centered_mean, trailing_mean
+from remoe.stages import Stages, band_excursions, centered_mean, trailing_mean
 from remoe.analysis.tokens import mpl_safe
 
 DPI = 160

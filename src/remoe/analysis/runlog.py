@@ -148,7 +148,7 @@ class Run:
         """The run's :class:`ReMoEConfig`: from a saved ``config.json`` (final/ or the latest
         checkpoint), else rebuilt from ``config.yaml``'s model section; None if neither."""
         from remoe.config import PRESETS, ReMoEConfig
-        from remoe.train.checkpoint import resolve_model_dir
+        from remoe.loading import resolve_model_dir
 
         try:
             return ReMoEConfig.from_pretrained(resolve_model_dir(self.path))

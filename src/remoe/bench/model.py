@@ -27,6 +27,7 @@ from remoe.bench.layer import force_relu_density
 from remoe.config import ReMoEConfig
 from remoe.model.llama import ReMoEForCausalLM
 from remoe.model.moe import MoELayer
+from remoe.losses import total_loss
 from remoe.sparsity import LambdaController
 
 ROWS = ("dense", "topk", "relu")
@@ -75,7 +76,7 @@ def force_model_density(model: ReMoEForCausalLM, ids: torch.Tensor, density: flo
 
 def _train_step(model, opt, ids, lam: float, step: int):
     out = model(ids, labels=ids, train_step=step)
-    loss = out.loss + lam * out.aux.reg_loss + out.aux.aux_loss
+    loss = total_loss(out, lam)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -1,6 +1,6 @@
 """Evaluation: per-domain validation loss, the lm-eval adapter and offline zero-shot tasks.
 
-* :mod:`remoe.eval.loss` -- :func:`evaluate_loss` (token-weighted CE overall and per domain);
+* :mod:`remoe.losses` -- :func:`evaluate_loss` (token-weighted CE overall and per domain);
   light, used by the trainer for periodic validation.
 * :mod:`remoe.eval.adapter` -- ``RemoeLM``, an lm-eval model registered as ``"remoe"``.
 * :mod:`remoe.eval.builtin_tasks` -- tasks built from the held-out split of the corpus
@@ -12,6 +12,6 @@
 Importing this package does not import lm-eval (a few seconds); the submodules that need it do.
 """
 
-from remoe.eval.loss import evaluate_loss
+from remoe.losses import evaluate_loss
 
 __all__ = ["evaluate_loss"]

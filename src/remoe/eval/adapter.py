@@ -83,7 +83,7 @@ class RemoeLM(HFLM):
         force_offline()
         tok_path = None
         if isinstance(pretrained, (str, os.PathLike)):
-            from remoe.train.checkpoint import load_model
+            from remoe.loading import load_model
 
             model, tok_path = load_model(pretrained, device=_resolve_device(device))
             name = str(pretrained)

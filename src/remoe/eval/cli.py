@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     check_task_names(args.tasks)  # a misspelt task stops here, before any model or data
     import torch
 
-    from remoe.train.checkpoint import load_model, resolve_model_dir
+    from remoe.loading import load_model, resolve_model_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.names and len(args.names) != len(args.checkpoints):
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
           args: argparse.Namespace, device: str) -> tuple[dict[str, Any] | None, str | None]:
-    from remoe.eval.loss import evaluate_loss
+    from remoe.losses import evaluate_loss
 
     if bundle is None:
         return None, "no data: no config.yaml found with the checkpoint; pass --data-cache DIR"

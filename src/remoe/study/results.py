@@ -96,7 +96,7 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
 def run_row(run_dir: Path) -> dict[str, Any]:
     """The numbers of one finished run (see the module docstring)."""
     from remoe.analysis.runlog import Run
-    from remoe.analysis.stages import detect_stages
+    from remoe.stages import detect_stages
 
     run = Run(run_dir)
     s = run.summary

@@ -168,7 +168,7 @@ class Study:
         return _read_json(self.run_dir(r) / "summary.json")
 
     def has_checkpoint(self, r: RunSpec) -> bool:
-        from remoe.train.checkpoint import latest_checkpoint
+        from remoe.loading import latest_checkpoint
 
         return latest_checkpoint(self.run_dir(r) / "checkpoints") is not None
 

@@ -23,6 +23,8 @@ import torch
 import yaml
 
 from remoe import rundir
+# reading models moved to the neutral remoe.loading (eval and analysis use it); kept importable here
+from remoe.loading import latest_checkpoint, load_model, resolve_model_dir  # noqa: F401
 from remoe.errors import ConfigError
 
 LATEST = rundir.LATEST
@@ -72,18 +74,6 @@ def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
         for old in rundir.checkpoint_dirs(ckpt_root)[keep_last:]:
             rundir.remove_dir(old)
     return final
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint LATEST names, else the newest one holding a trainer state (no hashing:
-    for reading a model; ``--resume`` uses :func:`find_resume_checkpoint`)."""
-    name, problem = rundir.read_latest(ckpt_root)
-    if problem is None and (ckpt_root / name / STATE_FILE).exists():
-        return ckpt_root / name
-    for ckpt in rundir.checkpoint_dirs(ckpt_root):
-        if (ckpt / STATE_FILE).exists():
-            return ckpt
-    return None
 
 
 def find_resume_checkpoint(ckpt_root: Path, report: bool = True
@@ -196,36 +186,8 @@ def check_resume_config(run_dir: Path, new: dict[str, Any], new_yaml: str, step:
         rundir.say(f"--resume: the run's previous config.yaml is kept as {keep.name}")
 
 
-# ----------------------------------------------------------------------------- loading models
+# ----------------------------------------------------------------------------- helpers
 
 def unwrap(model):
     """The ReMoEForCausalLM inside a DDP wrapper."""
     return getattr(model, "module", model)
-
-
-def resolve_model_dir(path: str | os.PathLike) -> Path:
-    """A run dir (its ``final/`` else LATEST checkpoint), a checkpoint dir, or an HF dir."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"checkpoint={str(p)!r} does not exist")
-    if (p / "config.json").exists():
-        return p
-    if (p / "final" / "config.json").exists():
-        return p / "final"
-    ckpt = latest_checkpoint(p / "checkpoints")
-    if ckpt is not None:
-        return ckpt
-    raise ConfigError(f"checkpoint={str(p)!r} holds no model (expected config.json, final/ or "
-                      "checkpoints/LATEST)")
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """Load a model from a run/checkpoint/HF directory: returns ``(model, tokenizer_path|None)``."""
-    from remoe.model import ReMoEForCausalLM
-
-    d = resolve_model_dir(path)
-    model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
-    tok = d / "tokenizer.json"
-    if not tok.exists() and (d.parent.parent / "final" / "tokenizer.json").exists():
-        tok = d.parent.parent / "final" / "tokenizer.json"
-    return model, (str(tok) if tok.exists() else None)

@@ -35,6 +35,7 @@ from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import ReLURouter, Router
+from remoe.losses import total_loss
 from remoe.sparsity import build_controller
 from remoe.threads import ThreadTuner, usable_cores
 from remoe.train import checkpoint as ckpt_io
@@ -443,12 +444,7 @@ class Trainer:
             with (nullcontext() if sync else model.no_sync()), self._autocast():
                 out = model(input_ids=input_ids, labels=input_ids, train_step=step)
                 aux = out.aux
-                if layer_coeffs is None:  # the paper: one lambda times the mean over layers
-                    loss = out.loss + coeff * aux.reg_loss + aux.aux_loss
-                else:  # (1/L) sum_l lambda_l * L_reg,l
-                    lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype,
-                                         device=aux.reg_losses_L.device)
-                    loss = out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss
+                loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
             sums += torch.stack([out.loss.detach().double().cpu(),
                                  aux.reg_loss.detach().double().cpu(),
@@ -551,7 +547,7 @@ class Trainer:
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
-        from remoe.eval.loss import evaluate_loss
+        from remoe.losses import evaluate_loss
 
         res = evaluate_loss(self.model, self._eval_batches(), list(self.data.domains),
                             device=self.device)
@@ -673,7 +669,7 @@ class Trainer:
         """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
         if self.controller is None or not self.dist.is_main:
             return None
-        from remoe.analysis.stages import detect_stages
+        from remoe.stages import detect_stages
 
         recs = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()
                 if x.strip()]
