@@ -29,3 +29,23 @@ def _overrides(data_cfg, out_dir, name, **extra):
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def train_then_crash():
+    """``train_then_crash(cfg, steps)``: train ``steps`` steps (masks every 2), checkpoint, then
+    drop the Trainer without finishing, as a crash would; resume with ``Trainer(cfg, resume=True)``."""
+
+    def run(cfg, steps: int = 3) -> None:
+        from remoe.train.trainer import Trainer
+
+        t = Trainer(cfg, progress=False)
+        for _ in range(steps):
+            t._log(t.train_step(), None)
+            if t.step % 2 == 0:
+                t.record_masks()
+        t.save()
+        t.metrics.close()
+        t.evals.close()
+
+    return run

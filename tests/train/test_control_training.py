@@ -39,18 +39,10 @@ def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_pa
         assert r["reviving"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
 
 
-def test_options_resume_bit_exact(make_overrides, tmp_path):
+def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash):
     Trainer(load_config(None, make_overrides(tmp_path, "ref", **OPTIONS)), progress=False).train()
     cfg = load_config(None, make_overrides(tmp_path, "cut", **OPTIONS))
-    t = Trainer(cfg, progress=False)
-    for _ in range(3):
-        t._log(t.train_step(), None)
-        if t.step % 2 == 0:
-            t.record_masks()
-    t.save()
-    t.metrics.close()
-    t.evals.close()
-    del t
+    train_then_crash(cfg, 3)
     Trainer(cfg, resume=True, progress=False).train()
     drop = ("tokens_per_s", "elapsed_s")
     ref = [{k: v for k, v in r.items() if k not in drop} for r in read(tmp_path / "ref" / "metrics.jsonl")]

@@ -51,20 +51,12 @@ def test_metrics_line_per_step_and_lambda_rule(make_overrides, tmp_path):
     assert (tmp_path / "m" / "final" / "tokenizer.json").exists()
 
 
-def test_resume_is_bit_exact(make_overrides, tmp_path):
+def test_resume_is_bit_exact(make_overrides, tmp_path, train_then_crash):
     ref_cfg = load_config(None, make_overrides(tmp_path, "ref"))
     Trainer(ref_cfg, progress=False).train()
 
     cfg = load_config(None, make_overrides(tmp_path, "cut"))
-    t = Trainer(cfg, progress=False)
-    for _ in range(3):  # train 3 steps, checkpoint, then "crash"
-        t._log(t.train_step(), None)
-        if t.step % 2 == 0:
-            t.record_masks()
-    t.save()
-    t.metrics.close()
-    t.evals.close()
-    del t
+    train_then_crash(cfg, 3)  # train 3 steps, checkpoint, then "crash"
     Trainer(cfg, resume=True, progress=False).train()
 
     ref = strip_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
