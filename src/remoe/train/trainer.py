@@ -18,11 +18,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,112 +47,11 @@ class TrainingDiverged(RuntimeError):
 
 # ----------------------------------------------------------------------------- set-up helpers
 
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed(device_type: str) -> DistInfo:
-    """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistInfo()
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def resolve_device(name: str, info: DistInfo) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
-        torch.cuda.set_device(info.local_rank)
-        return torch.device("cuda", info.local_rank)
-    return torch.device("cpu")
-
-
-def cosine_lr(step: int, base: float, min_lr: float, warmup: int, total: int) -> float:
-    """Linear warm-up to ``base`` then cosine decay to ``min_lr`` at ``total`` (0-based step)."""
-    if warmup > 0 and step < warmup:
-        return base * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_lr + 0.5 * (base - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _to_weights_only(obj: Any) -> Any:
-    """Make python/numpy RNG states loadable with ``torch.load(weights_only=True)``."""
-    if isinstance(obj, tuple):
-        return [_to_weights_only(o) for o in obj]
-    if isinstance(obj, list):
-        return [_to_weights_only(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_weights_only(v) for k, v in obj.items()}
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), int(np_state[2]),
-                         int(np_state[3]), float(np_state[4])))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class MetricsWriter:
-    """Append-only JSONL, one whole line per record (NaN/inf written as null).
-
-    On resume, the lines of steps <= ``resume_step`` are kept; a line that does not parse (torn
-    by a kill during a write) is dropped with a warning. ``last`` is the last record kept.
-    """
-
-    def __init__(self, path: Path, resume_step: int | None) -> None:
-        self.path = path
-        self.last: dict[str, Any] | None = None
-        if resume_step is not None and path.exists():
-            lines, bad = rundir.read_jsonl(path)
-            if bad:
-                rundir.warn(f"dropped {len(bad)} unreadable line(s) of {path} (line "
-                            f"{', '.join(map(str, bad[:5]))}; torn by an interrupted write)")
-            keep = [(ln, rec) for ln, rec in lines if rec.get("step", 0) <= resume_step]
-            rundir.atomic_write_text(path, "".join(ln + "\n" for ln, _ in keep))
-            self.last = keep[-1][1] if keep else None
-        elif resume_step is None and path.exists():
-            path.unlink()
-        self.out = rundir.JsonlAppender(path)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.out.write(record)
-        self.last = record
-
-    def close(self) -> None:
-        self.out.close()
+# set-up pieces live in their own modules (re-exported here for existing imports)
+from remoe.train.distributed import DistInfo, init_distributed, resolve_device  # noqa: E402,F401
+from remoe.train.metrics import MetricsWriter, format_summary  # noqa: E402,F401
+from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: E402,F401
+from remoe.train.schedule import cosine_lr  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -358,7 +255,7 @@ class Trainer:
             "optimizer": (self.optimizer.state_dict() if optimizer_state is None
                           else optimizer_state),
             "controller": self.controller.state_dict() if self.controller else None,
-            "rng": _to_weights_only(rng_state()),
+            "rng": to_weights_only(rng_state()),
             "data": {"seed": self.cfg.run.seed, "next_step": self.step},
         }
 
@@ -738,25 +635,3 @@ def _round_robin(total: int, per_group: int) -> torch.Tensor:
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    lines = [
-        f"run          {s['run_dir']}  ({s['stop_reason']})",
-        f"router       {s['router']}   params total {s['params_total'] / 1e6:.2f}M, "
-        f"active {s['params_active'] / 1e6:.2f}M",
-        f"trained      {s['steps']} steps, {s['tokens']:,} tokens, {s['flops']:.3g} FLOPs, "
-        f"{s['elapsed_s']:.0f} s ({f(s['tokens_per_s'], ',.0f')} tokens/s)",
-        f"final loss   train LM {f(s['final_lm_loss'], '.4f')}, validation {f(s['val_loss'], '.4f')}",
-    ]
-    if s.get("val_domains"):
-        lines.append("per domain   " + ", ".join(f"{k} {v:.3f}" for k, v in s["val_domains"].items()))
-    if s["target_sparsity"] is not None:
-        lines.append(f"sparsity     {f(s['final_sparsity'], '.4f')} (target "
-                     f"{s['target_sparsity']:.4f})   lambda {f(s['final_lambda'], '.3e')}   "
-                     f"settled at step {f(s['settling_step'], 'd')}")
-    lines.append(f"outputs      metrics {s['run_dir']}/metrics.jsonl, model {s['final_dir']}")
-    return "\n".join(lines)
