@@ -159,3 +159,11 @@ def mean_std_after(steps, values, skip: int) -> tuple[float, float, int]:
     if x.size == 0:
         return float("nan"), float("nan"), 0
     return float(x.mean()), float(x.std()), int(x.size)
+
+
+def log10_span(x) -> float | None:
+    """How many decades ``x`` spans: log10(max / min) of its finite positive values (None when
+    there are none). The stage-III lambda amplitude of ``remoe analyze`` and ``remoe study``."""
+    x = np.asarray(x, dtype=np.float64)
+    x = x[np.isfinite(x) & (x > 0)]
+    return float(np.log10(x.max() / x.min())) if x.size else None

@@ -49,3 +49,31 @@ def train_then_crash():
         t.evals.close()
 
     return run
+
+
+@pytest.fixture
+def run_cmd():
+    """``run_cmd(argv)``: run a command at one OpenMP thread; fail the test with its stderr."""
+    import os
+    import subprocess
+
+    def run(cmd, env_extra=None):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    return run
+
+
+@pytest.fixture
+def free_port():
+    """``free_port()``: a free TCP port on the loopback interface (torchrun's master port)."""
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return port

@@ -1,7 +1,6 @@
 """Sparsity-control options in real training (issue 11): per-layer lambda, PI rule, revival."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -50,32 +49,16 @@ def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash):
     assert got == ref
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd):
-    import os
-
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def test_per_layer_lambda_identical_on_two_ranks(make_overrides, tmp_path):
+def test_per_layer_lambda_identical_on_two_ranks(make_overrides, tmp_path, run_cmd, free_port):
     common = {**OPTIONS, "train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
               "analysis.record_masks_every": 0, "train.num_threads": 1,
               "train.micro_batch_size": 2}
     one = make_overrides(tmp_path, "one", **common, **{"train.grad_accum": 2})
     two = make_overrides(tmp_path, "two", **common)
-    _run([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in one])
+    run_cmd([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in one])
     # every save all-reduces each layer's lambda and fails if the ranks disagree
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-          f"--master_port={_free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
+    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+          f"--master_port={free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
          + [f"--set={o}" for o in two])
     a, b = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
     assert len(a) == len(b) == 4

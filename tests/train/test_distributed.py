@@ -1,32 +1,16 @@
 """Two CPU processes (torchrun, gloo) against one process on the same global batch."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(cmd, env_extra=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def metrics(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_two_processes_match_one(make_overrides, tmp_path):
+def test_two_processes_match_one(make_overrides, tmp_path, run_cmd, free_port):
     common = {"train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
               "analysis.record_masks_every": 0, "train.num_threads": 1}
     # one process accumulating two micro-batches == two ranks with one micro-batch each (the
@@ -34,8 +18,8 @@ def test_two_processes_match_one(make_overrides, tmp_path):
     single = make_overrides(tmp_path, "one", **common, **{"train.micro_batch_size": 2,
                                                           "train.grad_accum": 2})
     double = make_overrides(tmp_path, "two", **common, **{"train.micro_batch_size": 2})
-    run([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in single])
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    run_cmd([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in single])
+    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          f"--master_port={free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
         + [f"--set={o}" for o in double])
     a, b = metrics(tmp_path / "one" / "metrics.jsonl"), metrics(tmp_path / "two" / "metrics.jsonl")

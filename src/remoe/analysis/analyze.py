@@ -22,7 +22,7 @@ from remoe.analysis import plots
 from remoe.analysis.flips import FlipSeries, flip_series
 from remoe.analysis.routing import INACTIVE_RATIO, RoutingStats, collect_routing_stats, spearman
 from remoe.analysis.runlog import Run
-from remoe.stages import (SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS, Stages,
+from remoe.stages import (log10_span, SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS, Stages,
                                    band_excursions, centered_mean, detect_stages, mean_std_after)
 from remoe.analysis.tokens import TokenNames
 from remoe.errors import ConfigError
@@ -119,12 +119,6 @@ def compute_stages(run: Run, opts: Options) -> Stages:
                          eps=opts.stage_eps, smooth=opts.smooth)
 
 
-def _log10_span(x: np.ndarray) -> float | None:
-    """log10(max / min) of the finite positive values (None when there are none)."""
-    x = x[np.isfinite(x) & (x > 0)]
-    return float(np.log10(x.max() / x.min())) if x.size else None
-
-
 def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
     st = compute_stages(run, opts)
     m = run.metrics
@@ -145,10 +139,10 @@ def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
         rec[f"{name}_mean_sparsity"] = float(np.nanmean(m["sparsity"][sel])) if sel.any() else None
     # how far lambda swings once settled (decades; issue 11's limit-cycle measure)
     third = stage == 3
-    rec["lambda_log10_amplitude_stage3"] = _log10_span(lam[third])
+    rec["lambda_log10_amplitude_stage3"] = log10_span(lam[third])
     lam_SL = m.per_layer("lambda_layers")  # per-layer control ([steps, 0] otherwise)
     if lam_SL.size:
-        rec["lambda_layers_log10_amplitude_stage3"] = [_log10_span(c[third]) for c in lam_SL.T]
+        rec["lambda_layers_log10_amplitude_stage3"] = [log10_span(c[third]) for c in lam_SL.T]
     files.append(write_json(out / "stages.json", rec))
     fig = plots.fig_stages(m.steps, m["sparsity"], lam, reg, lm, st,
                            f"{run.name}: three-stage training (router={run.router})",

@@ -78,6 +78,8 @@ def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, in
 def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float | None:
     """log10(max / min) of lambda over the records from ``settle_step`` on (per-layer lambdas:
     the largest layer amplitude)."""
+    from remoe.stages import log10_span
+
     after = [r for r in records if int(r.get("step", -1)) >= settle_step]
     series: list[list[float]] = []
     layered = [r["lambda_layers"] for r in after if isinstance(r.get("lambda_layers"), list)]
@@ -85,11 +87,8 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
         series = [list(col) for col in zip(*layered)]
     else:
         series = [[r.get("lambda") for r in after]]
-    amps = []
-    for s in series:
-        x = np.asarray([v for v in s if _finite(v) and v > 0], dtype=np.float64)
-        if x.size >= 2:
-            amps.append(float(np.log10(x.max() / x.min())))
+    amps = [log10_span(x) for x in (np.asarray([v for v in s if _finite(v) and v > 0], float)
+                                    for s in series) if x.size >= 2]
     return max(amps) if amps else None
 
 
