@@ -32,7 +32,7 @@ from remoe import rundir
 from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
-from remoe.model.routers import ReLURouter, Router
+from remoe.model.routers import Router
 from remoe.losses import total_loss
 from remoe.sparsity import build_controller
 from remoe.threads import ThreadTuner, usable_cores
@@ -110,8 +110,6 @@ class Trainer:
         self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         self.ep = self._setup_expert_parallel()  # None unless expert parallel under torchrun
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
-        self.relu_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
-                             if isinstance(r, ReLURouter)]
         # the token router of every MoE layer, in the order of the rows of the expert counts
         self.token_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
                               if isinstance(r, Router)]
@@ -430,7 +428,7 @@ class Trainer:
         dead = self.controller.dead_experts() if self.controller else None
         if dead is None:
             return
-        for router, row in zip(self.relu_routers, dead):
+        for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
             router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
 
     def _clip(self) -> float:
