@@ -44,7 +44,9 @@ def read_jsonl(path):
 
 
 def strip_timing(records):
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in records]
+    from remoe.train.metrics import without_machine_keys
+
+    return without_machine_keys(records)
 
 
 def weights(run):

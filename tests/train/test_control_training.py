@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from remoe.train.config import load_config
+from remoe.train.metrics import without_machine_keys
 from remoe.train.trainer import Trainer
 
 OPTIONS = {"model.sparsity_control": "per_layer", "model.lambda_update": "pi",
@@ -43,9 +44,8 @@ def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash):
     cfg = load_config(None, make_overrides(tmp_path, "cut", **OPTIONS))
     train_then_crash(cfg, 3)
     Trainer(cfg, resume=True, progress=False).train()
-    drop = ("tokens_per_s", "elapsed_s")
-    ref = [{k: v for k, v in r.items() if k not in drop} for r in read(tmp_path / "ref" / "metrics.jsonl")]
-    got = [{k: v for k, v in r.items() if k not in drop} for r in read(tmp_path / "cut" / "metrics.jsonl")]
+    ref = without_machine_keys(read(tmp_path / "ref" / "metrics.jsonl"))
+    got = without_machine_keys(read(tmp_path / "cut" / "metrics.jsonl"))
     assert got == ref
 
 

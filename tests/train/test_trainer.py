@@ -7,18 +7,12 @@ from safetensors.torch import load_file
 
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.config import load_config
+from remoe.train.metrics import without_machine_keys as strip_timing
 from remoe.train.trainer import Trainer, TrainingDiverged, cosine_lr
-
-
-TIMING = ("tokens_per_s", "elapsed_s")
 
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def strip_timing(records):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
 def test_metrics_line_per_step_and_lambda_rule(make_overrides, tmp_path):

@@ -8,6 +8,17 @@ from typing import Any
 
 from remoe import rundir
 
+#: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
+#: two runs of one config (and between a run and its resume) while every other number is equal.
+#: ``threads`` belongs here because the auto thread count is chosen by timing, and the model's
+#: results do not depend on it (checked bit for bit at 1 and 2 threads).
+MACHINE_KEYS = ("tokens_per_s", "elapsed_s", "threads")
+
+
+def without_machine_keys(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with the :data:`MACHINE_KEYS` removed: what a bit-exact resume must match."""
+    return [{k: v for k, v in r.items() if k not in MACHINE_KEYS} for r in records]
+
 
 class MetricsWriter:
     """Append-only JSONL, one whole line per record (NaN/inf written as null).
