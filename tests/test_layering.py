@@ -15,8 +15,8 @@ FORBIDDEN = {
               "remoe.bench"),
 }
 # neutral low modules: nothing above the model and data
-LOW = {"errors.py", "registry.py", "rundir.py", "loading.py", "stages.py", "losses.py",
-       "sparsity.py", "threads.py", "config.py"}
+LOW = {"errors.py", "registry.py", "rundir.py", "runlock.py", "runfiles.py", "loading.py",
+       "stages.py", "losses.py", "sparsity.py", "threads.py", "config.py"}
 ABOVE = ("remoe.train", "remoe.eval", "remoe.analysis", "remoe.study", "remoe.bench", "remoe.cli")
 
 
