@@ -37,7 +37,8 @@ import yaml
 
 from remoe.errors import ConfigError
 
-SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report")
+SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval")
+EVAL_KEYS = ("tasks", "limit")
 GROUP_KEYS = ("name", "set", "grid", "runs", "seeds", "stop", "match_flops_of", "label")
 RUN_KEYS = ("label", "set")
 STOP_KEYS = ("steps", "tokens", "flops")
@@ -91,6 +92,9 @@ class StudySpec:
     out: str | None
     report: bool
     runs: list[RunSpec] = field(default_factory=list)
+    #: zero-shot tasks `remoe eval --tasks` runs on every finished run (None: none)
+    eval_tasks: str | None = None
+    eval_limit: int | None = None  # `remoe eval --limit`: examples per task
     groups: list[str] = field(default_factory=list)
 
     def by_name(self) -> dict[str, RunSpec]:
@@ -119,6 +123,22 @@ class StudySpec:
 
 
 # ----------------------------------------------------------------------------- small helpers
+
+def _eval_section(raw: Any) -> tuple[str | None, int | None]:
+    """``eval: {tasks: builtin, limit: 300}``: zero-shot tasks run on every finished run."""
+    if raw is None:
+        return None, None
+    _check(isinstance(raw, dict), f"study.eval={raw!r} must be a mapping with tasks (and limit)")
+    for k in raw:
+        _check(k in EVAL_KEYS, f"unknown key study.eval.{k} (allowed: {', '.join(EVAL_KEYS)})")
+    tasks, limit = raw.get("tasks"), raw.get("limit")
+    _check(isinstance(tasks, str) and tasks.strip() not in ("", "none"),
+           f"study.eval.tasks={tasks!r} must name tasks as `remoe eval --tasks` does "
+           "(e.g. builtin)")
+    _check(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0),
+           f"study.eval.limit={limit!r} must be a positive integer (examples per task)")
+    return tasks.strip(), limit
+
 
 def _fmt_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -252,6 +272,9 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     except yaml.YAMLError as e:
         raise ConfigError(f"spec={str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     _check(isinstance(raw, dict), f"spec={str(p)!r} must be a mapping")
+    _check("groups" in raw or not set(raw) & set(SECTIONS),
+           f"spec={str(p)!r} is a remoe train config (sections {', '.join(SECTIONS)}), not a "
+           "study spec: a spec names it with base_config: (see docs/STUDY.md)")
     for k in raw:
         _check(k in SPEC_KEYS, f"unknown key study.{k} (allowed: {', '.join(SPEC_KEYS)})")
     budget = raw.get("budget")
@@ -288,6 +311,7 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     groups = raw.get("groups")
     _check(isinstance(groups, list) and len(groups) > 0, "study.groups must be a non-empty list")
     spec = StudySpec(path=p, name=name, budget=budget.strip(), out=out, report=report)
+    spec.eval_tasks, spec.eval_limit = _eval_section(raw.get("eval"))
     pending_match: list[tuple[RunSpec, str, str]] = []
     for gi, g in enumerate(groups):
         spec.runs.extend(_expand_group(g, gi, base, default_seeds, spec.groups, pending_match))
@@ -309,15 +333,25 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     return spec
 
 
+def _entry_name(entry: Any, where: str, allowed: tuple[str, ...], key: str, taken: Any,
+                shape: str, reuse: str) -> str:
+    """The cleaned ``entry[key]`` of a group (key ``name``) or of one of its runs (``label``),
+    after checking that ``entry`` is a mapping of ``allowed`` keys that gives ``key`` a name not
+    in ``taken``; ``shape`` and ``reuse`` end the two messages that differ between the kinds."""
+    _check(isinstance(entry, dict), f"{where} must be {shape}")
+    for k in entry:
+        _check(k in allowed, f"unknown key {where}.{k} (allowed: {', '.join(allowed)})")
+    _check(key in entry, f"{where}.{key} is required")
+    name = _clean_name(str(entry[key]), f"{where}.{key}")
+    _check(name not in taken, f"{where}.{key}={name!r} is used {reuse}")
+    return name
+
+
 def _expand_group(g: Any, gi: int, base: dict, default_seeds: list[int], group_names: list[str],
                   pending_match: list) -> list[RunSpec]:
     where = f"study.groups[{gi}]"
-    _check(isinstance(g, dict), f"{where} must be a mapping")
-    for k in g:
-        _check(k in GROUP_KEYS, f"unknown key {where}.{k} (allowed: {', '.join(GROUP_KEYS)})")
-    _check("name" in g, f"{where}.name is required")
-    gname = _clean_name(str(g["name"]), f"{where}.name")
-    _check(gname not in group_names, f"{where}.name={gname!r} is used by another group")
+    gname = _entry_name(g, where, GROUP_KEYS, "name", group_names, "a mapping",
+                        "by another group")
     group_names.append(gname)
     where = f"study.groups[{gname}]"
     common = _dotted(g.get("set"), f"{where}.set")
@@ -349,12 +383,8 @@ def _expand_group(g: Any, gi: int, base: dict, default_seeds: list[int], group_n
         taken = set()
         for ri, r in enumerate(explicit):
             rw = f"{where}.runs[{ri}]"
-            _check(isinstance(r, dict), f"{rw} must be a mapping with label and set")
-            for k in r:
-                _check(k in RUN_KEYS, f"unknown key {rw}.{k} (allowed: {', '.join(RUN_KEYS)})")
-            _check("label" in r, f"{rw}.label is required")
-            lab = _clean_name(str(r["label"]), f"{rw}.label")
-            _check(lab not in taken, f"{rw}.label={lab!r} is used twice in the group")
+            lab = _entry_name(r, rw, RUN_KEYS, "label", taken, "a mapping with label and set",
+                              "twice in the group")
             taken.add(lab)
             items.append((lab, _dotted(r.get("set"), f"{rw}.set")))
     points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())] or [{}]
