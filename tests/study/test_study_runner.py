@@ -143,3 +143,48 @@ def test_only_selects_runs_and_their_flops_reference(write_spec, tmp_path):
     assert [r.name for r in st.selected()] == ["relu-s0", "m-d-s0"]
     with pytest.raises(ConfigError, match="matches no run"):
         _select(spec, ["zzz*"])
+
+
+STUB_EVAL = Path(__file__).with_name("stub_eval.py")
+
+
+def stub_eval_command(run_dir, tasks, limit):
+    return [sys.executable, str(STUB_EVAL), str(run_dir), "--tasks", tasks, "--no-loss",
+            *(["--limit", str(limit)] if limit else [])]
+
+
+def test_eval_section_evaluates_each_trained_run_once(write_spec, tmp_path, monkeypatch):
+    from remoe.study.results import write_results
+
+    groups = [{"name": "g", "grid": {"model.router": ["topk", "relu"]}}]
+    plain = write_spec({"seeds": [0, 1], "groups": groups}, name="plain.yaml")
+    out = tmp_path / "out"
+    assert _study(plain, out, jobs=2, evaluate=stub_eval_command).run(poll_s=0.02) == 0
+    assert not [c for c in _calls(out) if c.startswith("eval ")]
+    # the same grid with zero-shot tasks: the four trained runs are evaluated, not retrained
+    spec = write_spec({"seeds": [0, 1], "groups": groups,
+                       "eval": {"tasks": "builtin", "limit": 7}})
+    monkeypatch.setenv("STUB_EVAL_FAIL", "relu-s1")
+    assert _study(spec, out, jobs=2, evaluate=stub_eval_command).run(poll_s=0.02) == 1
+    evals = [c for c in _calls(out) if c.startswith("eval ")]
+    assert sorted(c.split()[1] for c in evals) == ["relu-s0", "relu-s1", "topk-s0", "topk-s1"]
+    assert all("--tasks builtin --no-loss --limit 7" in c for c in evals)
+    assert len(_calls(out)) == 4 + 4  # no training child was started again
+    state = json.loads((out / "study.json").read_text())["runs"]
+    assert state["relu-s1"]["state"] == "failed" and state["relu-s0"]["state"] == "done"
+    assert state["relu-s0"]["eval_wall_s"] > 0
+    # a rerun evaluates only the run whose evaluation failed
+    monkeypatch.delenv("STUB_EVAL_FAIL")
+    assert _study(spec, out, jobs=2, evaluate=stub_eval_command).run(poll_s=0.02) == 0
+    assert [c.split()[1] for c in _calls(out)[8:]] == ["relu-s1"]
+    # another limit is another evaluation
+    spec2 = write_spec({"seeds": [0, 1], "groups": groups, "eval": {"tasks": "builtin"}},
+                       name="spec2.yaml")
+    assert _study(spec2, out, jobs=1, evaluate=stub_eval_command).run(poll_s=0.02) == 0
+    assert len(_calls(out)) == 9 + 4
+    # the table: accuracy in %, mean ± std over the seeds (Task A: 25 and 35)
+    _, md_path, _ = write_results(load_spec(spec2), out, json.loads(
+        (out / "study.json").read_text()))
+    md = md_path.read_text()
+    assert "| run | n | Task A* (acc) | Task B* (MI) | avg |" in md
+    assert "| `topk` | 2/2 | 30.0 ± 7.1 | 50.0 ± 0.0 | 40.0 ± 3.5 |" in md

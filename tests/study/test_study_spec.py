@@ -100,3 +100,21 @@ def test_match_flops_cycle_is_an_error(write_spec):
         load_spec(write_spec({"groups": [
             {"name": "a", "runs": [{"label": "x"}], "match_flops_of": "y"},
             {"name": "b", "runs": [{"label": "y"}], "match_flops_of": "x"}]}))
+
+
+def test_eval_section_and_train_config_errors(write_spec, tmp_path):
+    from remoe.errors import ConfigError
+    from remoe.study.spec import load_spec
+
+    g = [{"name": "g", "runs": [{"label": "a"}]}]
+    assert load_spec(write_spec({"groups": g, "eval": {"tasks": "builtin", "limit": 5}})).eval_limit == 5
+    assert load_spec(write_spec({"groups": g})).eval_tasks is None
+    for bad, msg in [({"tasks": "builtin", "limt": 5}, "unknown key study.eval.limt"),
+                     ({"limit": 5}, "study.eval.tasks=None must name tasks"),
+                     ({"tasks": "builtin", "limit": 0}, "study.eval.limit=0 must be a positive")]:
+        with pytest.raises(ConfigError, match=msg):
+            load_spec(write_spec({"groups": g, "eval": bad}))
+    train_cfg = tmp_path / "train.yaml"
+    train_cfg.write_text("model:\n  router: relu\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="is a remoe train config .* base_config"):
+        load_spec(train_cfg)

@@ -67,7 +67,6 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         raise ConfigError(f"--gflops={gflops} must be > 0")
     measured = gflops is None
     gflops = estimate.probe_gflops() if measured else gflops
-    rate = gflops * estimate.EFFICIENCY
     flops_of: dict[str, float] = {}
     rows, total_s, total_flops = [], 0.0, 0.0
     for r in study.selected():
@@ -103,6 +102,11 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         f"{'probe' if measured else 'given'} {gflops:.1f} GFLOP/CPU-s x efficiency "
         f"{estimate.EFFICIENCY} + {estimate.RUN_OVERHEAD_CPU_S:.0f} CPU-s per run "
         "(remoe.study.estimate)")
+    if study.spec.eval_tasks:
+        todo = sum(not study.done(r) for r, *_ in rows)
+        log(f"then zero-shot tasks ({study.spec.eval_tasks}"
+            f"{f', at most {study.spec.eval_limit} examples each' if study.spec.eval_limit else ''}"
+            f") on {todo} run(s) without them: `remoe eval --no-loss`, not in the estimate")
     return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall}
 
 

@@ -18,6 +18,10 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
   without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
   (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
 
+* ``zs:<task column>`` and ``zs:avg``: zero-shot accuracy (%) from ``RUN/eval_results.json``
+  (``remoe eval RUN --tasks ...``, which a spec's ``eval:`` section runs on every trained run),
+  each task with the metric ``remoe eval`` reports for it.
+
 Aggregation: rows with the same (group, label) over seeds; mean ± sample standard deviation
 (n - 1 in the denominator) with n, the number of finished seeds, shown.
 """
@@ -128,7 +132,28 @@ def run_row(run_dir: Path) -> dict[str, Any]:
                 row["layer_sparsity"] = "/".join(f"{v:.4f}" for v in mean_L)
                 row["layer_dev_max"] = float(np.nanmax(np.abs(mean_L - target)))
             row["lambda_log10_amp"] = lambda_amplitude(m.records, st.settle_step)
+    row.update(zero_shot_row(run_dir))
     return row
+
+
+def zero_shot_row(run_dir: Path) -> dict[str, float]:
+    """``{"zs:<column header>": accuracy %, ..., "zs:avg": mean}`` of RUN/eval_results.json."""
+    import json
+
+    try:
+        doc = json.loads((run_dir / "eval_results.json").read_text())
+        model = doc["models"][0]
+        columns = doc["tasks"]["columns"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+    out = {}
+    for task, header, metric in columns:
+        v = (model.get("zero_shot") or {}).get(task, {}).get(metric)
+        if _finite(v):
+            out[f"zs:{header}"] = 100.0 * float(v)
+    if out:
+        out["zs:avg"] = float(np.mean(list(out.values())))
+    return out
 
 
 def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -141,7 +166,7 @@ def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None
         row: dict[str, Any] = {"name": r.name, "group": r.group, "label": r.label,
                                "seed": r.seed, "overrides": r.describe_overrides(),
                                "stop": r.describe_stop()}
-        if (d / "summary.json").is_file():
+        if (d / "summary.json").is_file():  # trained (zero-shot columns may still be pending)
             row["state"] = "done"
             row.update(run_row(d))
             row["wall_s"] = st.get("total_wall_s") or None
@@ -212,6 +237,8 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
         ges = [e for e in entries if e["group"] == group]
         domains = sorted({k for e in ges for r in e["rows"] for k in r
                           if k.startswith("val_") and k != "val_loss"})
+        zero_shot = list(dict.fromkeys(k for e in ges for r in e["rows"] for k in r
+                                       if k.startswith("zs:")))
         relu = any(r.get("target_sparsity") is not None and _adaptive(r.get("router"))
                    for e in ges for r in e["rows"])
         lines += [f"## {group}", ""]
@@ -223,6 +250,13 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                         + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in NUMERIC]
                         + [fmt_mean_std([r.get(d) for r in rs], ".3f") for d in domains])
         lines += _md_table(head, body) + [""]
+        if zero_shot:
+            lines += ["Zero-shot accuracy (%, `remoe eval --tasks`; * = built from the held-out "
+                      "split):", ""]
+            lines += _md_table(["run", "n"] + [k[3:] for k in zero_shot],
+                               [[f"`{e['label']}`", f"{len(e['rows'])}/{e['seeds']}"]
+                                + [fmt_mean_std([r.get(k) for r in e["rows"]], ".1f")
+                                   for k in zero_shot] for e in ges]) + [""]
         if relu:
             head = ["run", "n"] + [h for _, h, _ in RELU_NUMERIC] + ["layer sparsity (mean of seeds)",
                                                                      "inactive from"]

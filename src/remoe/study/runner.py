@@ -1,7 +1,9 @@
 """Running a study: every run as a ``remoe train`` child process, resumable, ``jobs`` at once.
 
 State lives in the run directories, not in the study process: a run whose ``summary.json``
-exists is done (never redone); a run with a checkpoint is continued with ``--resume``; any
+exists is done (never redone) once, if the spec has ``eval: {tasks: ...}``, its
+``eval_results.json`` holds those tasks too (a trained run without them gets a ``remoe eval``
+child of its own); a run with a checkpoint is continued with ``--resume``; any
 other run starts from scratch. So a study killed at any point (``kill -9`` of the study and/or
 its children) continues where it stopped when started again. Children get ``SIGTERM`` when the
 study process dies (``PR_SET_PDEATHSIG`` on Linux), so no orphan keeps writing into a run that
@@ -15,13 +17,11 @@ interrupted), exit status, attempts and wall time; it is rewritten atomically at
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,82 +30,19 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
+from remoe.study.children import (atomic_write, comparable, die_with_parent, read_json,
+                                  read_yaml, config_diff, default_command, eval_command,
+                                  eval_done, tail)
 from remoe.study.spec import RunSpec, StudySpec, apply_stop, load_run_config
 
 STATE_FILE = "study.json"
 GRACE_S = 30.0  # Ctrl-C: seconds children get to exit before SIGKILL
-#: config fields that may differ between a run's saved config and the study's without making
-#: it another experiment (threads follow --jobs; the trainer resolves the cache path)
-IGNORED_FIELDS = (("train", "num_threads"),)
-
-
 def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
 def threads_per_job(jobs: int) -> int:
     return max(1, cores() // max(1, jobs))
-
-
-def default_command(config_path: Path, flags: list[str]) -> list[str]:
-    """``python -m remoe.cli train CONFIG --no-progress [--resume | --overwrite]``."""
-    return [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress", *flags]
-
-
-def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config as the experiment loader resolves it, minus the fields that do not matter."""
-    d = load_run_config(cfg).to_dict()
-    for section, key in IGNORED_FIELDS:
-        d.get(section, {}).pop(key, None)
-    return d
-
-
-def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    out = []
-    for section in sorted(set(a) | set(b)):
-        sa, sb = a.get(section) or {}, b.get(section) or {}
-        for key in sorted(set(sa) | set(sb)):
-            if sa.get(key) != sb.get(key):
-                out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any] | None:
-    try:
-        d = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the child gets SIGTERM when the study process dies (even by SIGKILL)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def tail(path: Path, n: int = 12) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()[-n:]
-    except OSError:
-        return []
 
 
 @dataclass
@@ -119,6 +56,8 @@ class RunState:
     total_wall_s: float = 0.0  # over every attempt
     resumed: bool = False
     message: str | None = None
+    phase: str = "train"  # train | eval (the zero-shot evaluation of a trained run)
+    eval_wall_s: float = 0.0  # of the zero-shot evaluations, over every attempt
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -132,6 +71,7 @@ class Study:
     out: Path
     jobs: int = 1
     command: Callable[[Path, list[str]], list[str]] = default_command
+    evaluate: Callable[[Path, str, int | None], list[str]] = eval_command
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
     states: dict[str, RunState] = field(default_factory=dict)
@@ -139,12 +79,12 @@ class Study:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.threads = threads_per_job(self.jobs)
-        old = _read_json(self.out / STATE_FILE) or {}
+        old = read_json(self.out / STATE_FILE) or {}
         for r in self.spec.runs:
             prev = (old.get("runs") or {}).get(r.name) or {}
             st = RunState()
             for k in ("attempts", "exit_status", "wall_s", "total_wall_s", "started", "finished",
-                      "state", "message"):
+                      "state", "message", "eval_wall_s"):
                 if k in prev:
                     setattr(st, k, prev[k])
             self.states[r.name] = st
@@ -165,7 +105,17 @@ class Study:
 
     # -- what a run's directory says ----------------------------------------------------------
     def summary(self, r: RunSpec) -> dict[str, Any] | None:
-        return _read_json(self.run_dir(r) / "summary.json")
+        return read_json(self.run_dir(r) / "summary.json")
+
+    def trained(self, r: RunSpec) -> bool:
+        return self.summary(r) is not None
+
+    def done(self, r: RunSpec) -> bool:
+        """Trained and, if the spec asks for zero-shot tasks, evaluated on them."""
+        if not self.trained(r):
+            return False
+        tasks = self.spec.eval_tasks
+        return tasks is None or eval_done(self.run_dir(r), tasks, self.spec.eval_limit)
 
     def has_checkpoint(self, r: RunSpec) -> bool:
         from remoe.loading import latest_checkpoint
@@ -193,8 +143,8 @@ class Study:
                 continue  # its stop point is not known yet: checked once it is
             if not (self.summary(r) or self.has_checkpoint(r)):
                 continue  # nothing to keep: it restarts from scratch
-            have = _read_yaml(saved)
-            diff = config_diff(_comparable(have), _comparable(self.full_config(r))) if have else [
+            have = read_yaml(saved)
+            diff = config_diff(comparable(have), comparable(self.full_config(r))) if have else [
                 "config.yaml unreadable"]
             if diff:
                 bad.append(f"{r.name} ({'; '.join(diff[:3])})")
@@ -227,13 +177,13 @@ class Study:
                "threads_per_job": self.threads, "cores": cores(),
                "runs": {r.name: {"group": r.group, "label": r.label, "seed": r.seed,
                                  **self.states[r.name].to_dict()} for r in self.spec.runs}}
-        _atomic_write(self.out / STATE_FILE, json.dumps(doc, indent=2))
+        atomic_write(self.out / STATE_FILE, json.dumps(doc, indent=2))
 
     def refresh_done(self) -> None:
         """Runs finished on disk are done, whatever an earlier (killed) study wrote."""
         for r in self.spec.runs:
             st = self.states[r.name]
-            if self.summary(r) is not None:
+            if self.done(r):
                 st.state = "done"
             elif st.state in ("running", "done"):
                 st.state = "interrupted"  # a killed study or a deleted summary
@@ -275,6 +225,8 @@ class Study:
                         fh.close()
                         del running[name]
                         self._finished(r, proc.returncode, t0)
+                        if self.states[name].state == "pending":  # trained, to evaluate
+                            todo.insert(0, r)
                 for r in list(todo):
                     dep = by.get(r.match_of) if r.match_of else None
                     if dep is not None and self.states[dep.name].state in ("failed", "skipped"):
@@ -286,7 +238,7 @@ class Study:
                         self.write_state("running")
                 while todo and len(running) < self.jobs:
                     ready = next((r for r in todo if r.match_of is None
-                                  or self.states[r.match_of].state == "done"), None)
+                                  or self.trained(by[r.match_of])), None)
                     if ready is None:
                         break
                     todo.remove(ready)
@@ -325,12 +277,14 @@ class Study:
             prepare_data(exp.data, progress=False)
 
     def _launch(self, r: RunSpec):
+        if self.trained(r):
+            return self._launch_eval(r)
         cfg = self.full_config(r)
         if r.match_of is not None:  # its stop point is known now: the same check as at start
             self.check_existing([r])
         path = self.config_path(r)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
+        atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
         resume = self.summary(r) is None and self.has_checkpoint(r)
         # no checkpoint yet but leftovers of a killed attempt: remoe train archives them
         # (to runs/<name>.old-<time>) and starts over
@@ -338,32 +292,48 @@ class Study:
 
         overwrite = not resume and bool(contents(self.run_dir(r)))
         flags = ["--resume"] if resume else (["--overwrite"] if overwrite else [])
+        proc, fh = self._spawn(r, self.command(path.resolve(), flags),
+                               "resume" if resume else "start")
+        st = self.states[r.name]
+        st.state, st.attempts, st.started, st.resumed = "running", st.attempts + 1, time.time(), resume
+        st.exit_status, st.phase = None, "train"
+        self.log(f"  {'resume' if resume else 'start '} {r.name}  [{r.describe_overrides()}] "
+                 f"stop: {r.describe_stop()}  (pid {proc.pid}, log {self.log_path(r)})")
+        self.write_state("running")
+        return proc, r, time.time(), fh
+
+    def _launch_eval(self, r: RunSpec):
+        """The zero-shot tasks of the spec on a trained run (``remoe eval``), in its log."""
+        tasks, limit = self.spec.eval_tasks, self.spec.eval_limit
+        proc, fh = self._spawn(r, self.evaluate(self.run_dir(r), tasks, limit), "evaluate")
+        st = self.states[r.name]
+        st.state, st.started, st.exit_status, st.phase = "running", time.time(), None, "eval"
+        self.log(f"  eval  {r.name}  [--tasks {tasks}{f' --limit {limit}' if limit else ''}] "
+                 f"(pid {proc.pid}, log {self.log_path(r)})")
+        self.write_state("running")
+        return proc, r, time.time(), fh
+
+    def _spawn(self, r: RunSpec, argv: list[str], what: str):
         log = self.log_path(r)
         log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(log, "a")
-        fh.write(f"\n==== remoe study: {'resume' if resume else 'start'} {r.name} "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+        fh.write(f"\n==== remoe study: {what} {r.name} {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
         fh.flush()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
-        proc = subprocess.Popen(self.command(path.resolve(), flags), stdout=fh,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=_die_with_parent)
-        st = self.states[r.name]
-        st.state, st.attempts, st.started, st.resumed = "running", st.attempts + 1, time.time(), resume
-        st.exit_status = None
-        self.log(f"  {'resume' if resume else 'start '} {r.name}  [{r.describe_overrides()}] "
-                 f"stop: {r.describe_stop()}  (pid {proc.pid}, log {log})")
-        self.write_state("running")
-        return proc, r, time.time(), fh
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, preexec_fn=die_with_parent)
+        return proc, fh
 
     def _finished(self, r: RunSpec, code: int, t0: float) -> None:
         st = self.states[r.name]
         st.exit_status, st.finished = code, time.time()
-        st.wall_s = st.finished - t0
-        st.total_wall_s = (st.total_wall_s or 0.0) + st.wall_s
-        if code == 0 and self.summary(r) is not None:
+        self._add_wall(st, st.finished - t0)
+        if code == 0 and self.done(r):
             st.state, st.message = "done", None
             self.log(f"  done  {r.name}  ({st.wall_s:.0f} s)")
+        elif code == 0 and self.trained(r):  # trained; its zero-shot evaluation comes next
+            st.state, st.message = "pending", None
+            self.log(f"  trained {r.name}  ({st.wall_s:.0f} s); zero-shot evaluation to run")
         else:
             st.state = "failed"
             lines = tail(self.log_path(r))
@@ -371,6 +341,15 @@ class Study:
             self.log(f"  FAILED {r.name}: exit status {code} (log {self.log_path(r)}); last lines:\n"
                      + "\n".join("    | " + ln for ln in lines))
         self.write_state("running")
+
+    @staticmethod
+    def _add_wall(st: RunState, seconds: float) -> None:
+        """Training time goes to ``wall_s``/``total_wall_s``, evaluation to ``eval_wall_s``."""
+        if st.phase == "eval":
+            st.eval_wall_s = (st.eval_wall_s or 0.0) + seconds
+        else:
+            st.wall_s = seconds
+            st.total_wall_s = (st.total_wall_s or 0.0) + seconds
 
     def _interrupt(self, running: dict) -> None:
         """Ctrl-C: ask every child to stop (SIGINT), wait, then SIGKILL the stragglers."""
@@ -394,6 +373,5 @@ class Study:
             fh.close()
             st = self.states[name]
             st.exit_status, st.finished = proc.returncode, time.time()
-            st.wall_s = st.finished - t0
-            st.total_wall_s = (st.total_wall_s or 0.0) + st.wall_s
-            st.state = "done" if self.summary(r) is not None else "interrupted"
+            self._add_wall(st, st.finished - t0)
+            st.state = "done" if self.done(r) else "interrupted"

@@ -1,0 +1,100 @@
+"""What the study's children are and what their run directories say: the ``remoe train`` and
+``remoe eval`` command lines, the config comparison that keeps a run directory to one
+experiment, small tolerant readers, and the child's death with its parent."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from remoe.study.spec import load_run_config
+
+#: config fields that may differ between a run's saved config and the study's without making
+#: it another experiment (threads follow --jobs; the trainer resolves the cache path)
+IGNORED_FIELDS = (("train", "num_threads"),)
+
+
+def default_command(config_path: Path, flags: list[str]) -> list[str]:
+    """``python -m remoe.cli train CONFIG --no-progress [--resume | --overwrite]``."""
+    return [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress", *flags]
+
+
+def eval_command(run_dir: Path, tasks: str, limit: int | None) -> list[str]:
+    """``python -m remoe.cli eval RUN --tasks TASKS --no-loss [--limit N]`` (results in
+    ``RUN/eval_results.json``; the validation loss is the trainer's final evaluation)."""
+    return [sys.executable, "-m", "remoe.cli", "eval", str(run_dir), "--tasks", tasks,
+            "--no-loss", *(["--limit", str(limit)] if limit else [])]
+
+
+def eval_done(run_dir: Path, tasks: str, limit: int | None) -> bool:
+    """``RUN/eval_results.json`` has zero-shot results of ``tasks`` at ``limit``."""
+    doc = read_json(run_dir / "eval_results.json")
+    if not doc or (doc.get("tasks") or {}).get("selection") != tasks or doc.get("limit") != limit:
+        return False
+    return any(m.get("zero_shot") for m in doc.get("models") or [])
+
+
+def comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config as the experiment loader resolves it, minus the fields that do not matter
+    (the data cache is compared by its real path: a symlinked checkout reads the same files)."""
+    d = load_run_config(cfg).to_dict()
+    for section, key in IGNORED_FIELDS:
+        d.get(section, {}).pop(key, None)
+    if d.get("data", {}).get("cache_dir"):
+        d["data"]["cache_dir"] = os.path.realpath(d["data"]["cache_dir"])
+    return d
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section) or {}, b.get(section) or {}
+        for key in sorted(set(sa) | set(sb)):
+            if sa.get(key) != sb.get(key):
+                out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
+    return out
+
+
+def read_yaml(path: Path) -> dict[str, Any] | None:
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM when the study process dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def tail(path: Path, n: int = 12) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
