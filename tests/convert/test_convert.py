@@ -1,4 +1,6 @@
-"""remoe convert: upcycling, Mixtral import and export, on tiny random models (no downloads)."""
+"""remoe convert: upcycling, Mixtral import and export, on tiny random models (no downloads).
+
+Qwen2-MoE, OLMoE and the dense -> Llama export: test_convert_families.py."""
 
 from __future__ import annotations
 
@@ -8,27 +10,10 @@ import pytest
 import torch
 
 from remoe import ReMoEConfig, ReMoEForCausalLM
-from remoe.cli import main
 from remoe.model.moe import MoELayer
 from remoe.model.routers.base import Routing
 
-BACKBONE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-
-
-def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():  # large enough that every weight matters in the logits
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(noise * 0.3 if p.dim() > 1 else 1.0 + 0.1 * noise)  # norms near 1
-    return model.eval()
-
-
-def _ids(vocab=96):
-    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+from .conftest import BACKBONE, randomize, run_convert, token_ids
 
 
 def _one_hot_routers(model):
@@ -44,16 +29,12 @@ def _one_hot_routers(model):
             m.router.forward = forward
 
 
-def _convert(*argv):
-    return main(["convert", *map(str, argv)])
-
-
 @pytest.fixture
 def llama_dir(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    m = _randomize(LlamaForCausalLM(LlamaConfig(**BACKBONE, intermediate_size=48)))
+    m = randomize(LlamaForCausalLM(LlamaConfig(**BACKBONE, intermediate_size=48)))
     m.save_pretrained(tmp_path / "llama")
     return tmp_path / "llama", m
 
@@ -65,14 +46,14 @@ def mixtral_dir(tmp_path):
     torch.manual_seed(0)
     cfg = MixtralConfig(**BACKBONE, intermediate_size=24, num_local_experts=4,
                         num_experts_per_tok=2)
-    m = _randomize(MixtralForCausalLM(cfg), seed=3)
+    m = randomize(MixtralForCausalLM(cfg), seed=3)
     m.save_pretrained(tmp_path / "mixtral")
     return tmp_path / "mixtral", m
 
 
 def test_upcycle_llama_copies_everything_and_one_hot_gates_give_dense_logits(llama_dir, tmp_path):
     src, llama = llama_dir
-    assert _convert("upcycle", src, tmp_path / "up", "--experts", 4, "--top-k", 2) == 0
+    assert run_convert("upcycle", src, tmp_path / "up", "--experts", 4, "--top-k", 2) == 0
     moe = ReMoEForCausalLM.from_pretrained(tmp_path / "up").eval()
     c = moe.config
     assert (c.router, c.num_experts, c.moe_top_k, c.rope_theta, c.rms_norm_eps, c.num_kv_heads,
@@ -94,7 +75,7 @@ def test_upcycle_llama_copies_everything_and_one_hot_gates_give_dense_logits(lla
         assert r.shape == (4, 32) and 0.01 < r.std() < 0.04  # fresh, init_std=0.02
     assert torch.equal(ours["lm_head.weight"], hf["lm_head.weight"])
     assert torch.equal(ours["embed_tokens.weight"], hf["model.embed_tokens.weight"])
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         relu_logits = moe(ids).logits
         _one_hot_routers(moe)
@@ -107,7 +88,7 @@ def test_upcycle_our_dense_model(tmp_path):
     from remoe.convert.upcycle import upcycle
 
     torch.manual_seed(0)
-    dense = _randomize(ReMoEForCausalLM(ReMoEConfig.from_preset(
+    dense = randomize(ReMoEForCausalLM(ReMoEConfig.from_preset(
         "micro", router="dense", vocab_size=80, ffn_hidden_size=96, init_std=0.01)))
     moe = upcycle(dense, experts=3, top_k=1, seed=5)
     assert moe.config.router == "relu" and moe.config.init_std == 0.01
@@ -116,7 +97,7 @@ def test_upcycle_our_dense_model(tmp_path):
         if ".ffn." not in k:
             assert torch.equal(m[k], v), k
     assert 0.005 < m["layers.0.ffn.router.weight"].std() < 0.02
-    ids = _ids(80)
+    ids = token_ids(80)
     with torch.no_grad():
         _one_hot_routers(moe)
         assert torch.allclose(moe(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
@@ -126,7 +107,7 @@ def test_upcycle_our_dense_model(tmp_path):
 
 def test_from_hf_mixtral_topk_matches_and_relu_router_is_the_same_softmax(mixtral_dir, tmp_path):
     src, mix = mixtral_dir
-    assert _convert("from-hf", src, tmp_path / "topk", "--router", "topk") == 0
+    assert run_convert("from-hf", src, tmp_path / "topk", "--router", "topk") == 0
     ours = ReMoEForCausalLM.from_pretrained(tmp_path / "topk").eval()
     c = ours.config
     assert (c.router, c.topk_normalize, c.num_experts, c.moe_top_k, c.ffn_hidden_size) == \
@@ -139,12 +120,12 @@ def test_from_hf_mixtral_topk_matches_and_relu_router_is_the_same_softmax(mixtra
                            hf[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2))
         assert torch.equal(sd[f"layers.{i}.attn.q_proj.weight"],
                            hf[f"model.layers.{i}.self_attn.q_proj.weight"])
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         got, want = ours(ids).logits, mix(ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
-    assert _convert("from-hf", src, tmp_path / "relu") == 0
+    assert run_convert("from-hf", src, tmp_path / "relu") == 0
     relu = ReMoEForCausalLM.from_pretrained(tmp_path / "relu").eval()
     assert relu.config.router == "relu" and relu.config.moe_top_k == 2
     w, w2 = hf["model.layers.0.mlp.gate.weight"], relu.state_dict()["layers.0.ffn.router.weight"]
@@ -160,17 +141,17 @@ def test_to_hf_writes_a_mixtral_with_the_same_logits(tmp_path, capsys):
     from transformers import MixtralForCausalLM
 
     torch.manual_seed(0)
-    ours = _randomize(ReMoEForCausalLM(ReMoEConfig.from_preset(
+    ours = randomize(ReMoEForCausalLM(ReMoEConfig.from_preset(
         "micro", router="topk", topk_normalize=True, num_experts=4, top_k=1, granularity=2,
         vocab_size=72, rope_theta=1e4, rms_norm_eps=1e-6)))
     ours.save_pretrained(tmp_path / "ours")
-    assert _convert("to-hf", tmp_path / "ours", tmp_path / "mix") == 0
+    assert run_convert("to-hf", tmp_path / "ours", tmp_path / "mix") == 0
     cfg = json.loads((tmp_path / "mix" / "config.json").read_text())
     assert cfg["model_type"] == "mixtral" and "auto_map" not in cfg
     assert (cfg["num_local_experts"], cfg["num_experts_per_tok"],
             cfg["intermediate_size"]) == (8, 2, 128)  # E*G experts of width d_ffn/G, k*G used
     mix = MixtralForCausalLM.from_pretrained(tmp_path / "mix").eval()
-    ids = _ids(72)
+    ids = token_ids(72)
     with torch.no_grad():
         got, want = mix(ids).logits, ours(ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
@@ -186,14 +167,15 @@ def test_to_hf_refuses_what_is_not_lossless(tmp_path, capsys, overrides, reason)
     m = ReMoEForCausalLM(cfg)
     m.save_pretrained(tmp_path / "ours")
     capsys.readouterr()  # the save's progress bar
-    assert _convert("to-hf", tmp_path / "ours", tmp_path / "mix") == 2
+    assert run_convert("to-hf", tmp_path / "ours", tmp_path / "mix") == 2
     err = capsys.readouterr().err.strip()
     assert reason in err and len(err.splitlines()) == 1
     assert not (tmp_path / "mix" / "config.json").exists()
 
 
-def test_from_hf_refuses_qwen2_moe_with_the_reason(tmp_path, capsys):
+def test_from_hf_refuses_qwen3_moe_with_the_reason(tmp_path, capsys):
     (tmp_path / "q").mkdir()
-    (tmp_path / "q" / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
-    assert _convert("from-hf", tmp_path / "q", tmp_path / "out") == 2
-    assert "shared expert" in capsys.readouterr().err
+    (tmp_path / "q" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert run_convert("from-hf", tmp_path / "q", tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert "each query/key head on its own" in err and len(err.splitlines()) == 1

@@ -45,8 +45,8 @@ def save_micro(tokenizer_path, tmp_path_factory):
                                                   "max_position_embeddings": 64, **overrides})
         model = ReMoEForCausalLM(cfg).eval()
         with torch.no_grad():  # random routers and experts: make every expert matter
-            for p in model.parameters():
-                p.normal_(0, 0.2) if p.dim() > 1 else None
+            for pname, p in model.named_parameters():  # q/k/v biases too (attention_bias)
+                p.normal_(0, 0.2) if p.dim() > 1 or pname.endswith(".bias") else None
         return write_model_dir(root / name, model, tokenizer_path), model
 
     return save

@@ -12,7 +12,10 @@ from remoe.hf.bundle import AUTO_MAP, bundle_sources
 from .conftest import run_clean
 
 ROUTERS = {"relu": {}, "topk": {"router": "topk", "top_k": 2}, "hash": {"router": "hash"},
-           "dense": {"router": "dense"}, "lory": {"router": "lory", "lory_segment_len": 8}}
+           "dense": {"router": "dense"}, "lory": {"router": "lory", "lory_segment_len": 8},
+           # the parts of Qwen2-MoE / OLMoE (remoe convert from-hf): bundled code carries them
+           "parts": {"router": "topk", "attention_bias": True, "qk_norm": True,
+                     "shared_expert_size": 48}}
 IDS = [[5, 17, 200, 3, 44, 9, 120, 7, 7, 31, 250, 1], [8, 8, 9, 100, 101, 2, 0, 64, 3, 3, 90, 4]]
 
 

@@ -2,9 +2,10 @@
 
 * ``upcycle SRC DST --experts E [--top-k K]``: a dense remoe model (router=dense) or a
   transformers Llama -> an E-expert ReLU ReMoE with copied experts and fresh routers;
-* ``from-hf SRC DST [--router relu|topk] [--top-k K]``: a transformers Mixtral -> a ReMoE with
-  its experts kept and a router initialised from the softmax router;
-* ``to-hf SRC DST``: a TopK ReMoE (topk_normalize=true) -> a plain transformers Mixtral.
+* ``from-hf SRC DST [--router relu|topk] [--top-k K]``: a transformers Mixtral, Qwen2-MoE or
+  OLMoE -> a ReMoE with its experts kept and a router initialised from the softmax router;
+* ``to-hf SRC DST``: a TopK ReMoE (topk_normalize=true) -> a plain transformers Mixtral; a
+  dense one (router dense / dense_wide) -> a plain transformers Llama.
 
 See docs/CONVERT.md for the mappings and what is refused.
 """
@@ -13,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 
-from remoe.convert import io
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="kind", metavar="KIND")
     sub.required = True
     helps = {"upcycle": "dense remoe / transformers Llama -> E-expert ReLU ReMoE (copied experts)",
-             "from-hf": "transformers Mixtral -> ReMoE (experts kept, router from the softmax one)",
-             "to-hf": "TopK ReMoE (topk_normalize=true) -> transformers Mixtral (lossless only)"}
+             "from-hf": "transformers Mixtral / Qwen2-MoE / OLMoE -> ReMoE (experts kept, "
+                        "router from the softmax one)",
+             "to-hf": "TopK ReMoE (topk_normalize=true) -> transformers Mixtral, dense ReMoE -> "
+                      "transformers Llama (lossless only)"}
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("src", metavar="SRC", help="source model directory")
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from remoe.convert import io  # imports torch: not for `remoe convert --help`
+
     dst = io.check_destination(args.dst, args.force)
     if args.kind == "upcycle":
         from remoe.convert.upcycle import upcycle
@@ -49,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
             io.load_hf(args.src, ("llama",))
         model = upcycle(src, args.experts, args.top_k, seed=args.seed)
     elif args.kind == "from-hf":
-        from remoe.convert.from_hf import UNSUPPORTED, from_hf
+        from remoe.convert.from_hf import SOURCES, UNSUPPORTED, check_source, from_hf
         from remoe.errors import ConfigError
 
         kind = io.model_type(args.src)
         if kind in UNSUPPORTED:
             raise ConfigError(f"SRC model_type={kind!r} cannot be converted: {UNSUPPORTED[kind]}")
-        model = from_hf(io.load_hf(args.src, ("mixtral",)), args.router, args.top_k)
+        check_source(io.load_hf_config(args.src, SOURCES))  # before loading any weight
+        model = from_hf(io.load_hf(args.src, SOURCES), args.router, args.top_k)
     else:
         from remoe.convert.to_hf import check_lossless, to_hf
         from remoe.errors import ConfigError

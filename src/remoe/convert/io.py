@@ -44,6 +44,17 @@ def load_hf(src: str | Path, expected: tuple[str, ...]):
     return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 
 
+def load_hf_config(src: str | Path, expected: tuple[str, ...]):
+    """The transformers config of a model directory whose ``model_type`` is one of
+    ``expected`` (no weights read)."""
+    kind = model_type(src)
+    if kind not in expected:
+        raise ConfigError(f"SRC model_type={kind!r} must be one of {', '.join(expected)}")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(src)
+
+
 def check_destination(dst: str | Path, force: bool) -> Path:
     d = Path(dst)
     if d.exists() and any(d.iterdir()) and not force:

@@ -4,7 +4,8 @@ Legend: B batch, S new positions, P cached+new positions, D model width, Hq/Hkv 
 Dh head width, V vocabulary, L layers, N experts per MoE layer.
 
 Pre-norm RMSNorm blocks, RoPE, grouped-query attention through
-``F.scaled_dot_product_attention(..., enable_gqa=True)``, untied embeddings, no biases.
+``F.scaled_dot_product_attention(..., enable_gqa=True)``, untied embeddings, no biases
+(options: q/k/v biases, q/k RMSNorm, a shared expert; see :class:`Attention`).
 ``ReMoEForCausalLM`` is a transformers ``PreTrainedModel`` + ``GenerationMixin``: it gets
 ``save_pretrained``/``from_pretrained`` (safetensors) and ``generate`` (KV cache) from there.
 """
@@ -89,23 +90,35 @@ def apply_rope(x_BHSDh: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE and an optional transformers KV cache."""
+    """Grouped-query attention with RoPE and an optional transformers KV cache.
+
+    Options (off by default): ``attention_bias`` gives q/k/v biases (Qwen2); ``qk_norm``
+    applies an RMSNorm over the whole query and key projections (``Hq*Dh`` and ``Hkv*Dh``
+    wide, eps ``rms_norm_eps``) before RoPE (OLMoE)."""
 
     def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_q, self.n_kv, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         D = cfg.hidden_size
-        self.q_proj = nn.Linear(D, self.n_q * self.dh, bias=False)
-        self.k_proj = nn.Linear(D, self.n_kv * self.dh, bias=False)
-        self.v_proj = nn.Linear(D, self.n_kv * self.dh, bias=False)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(D, self.n_q * self.dh, bias=bias)
+        self.k_proj = nn.Linear(D, self.n_kv * self.dh, bias=bias)
+        self.v_proj = nn.Linear(D, self.n_kv * self.dh, bias=bias)
         self.o_proj = nn.Linear(self.n_q * self.dh, D, bias=False)
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm = RMSNorm(self.n_q * self.dh, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.n_kv * self.dh, cfg.rms_norm_eps)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None,
                 cache: DynamicCache | None) -> Tensor:
         B, S, _ = x_BSD.shape
-        q = self.q_proj(x_BSD).view(B, S, self.n_q, self.dh).transpose(1, 2)
-        k = self.k_proj(x_BSD).view(B, S, self.n_kv, self.dh).transpose(1, 2)
+        q, k = self.q_proj(x_BSD), self.k_proj(x_BSD)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_q, self.dh).transpose(1, 2)
+        k = k.view(B, S, self.n_kv, self.dh).transpose(1, 2)
         v = self.v_proj(x_BSD).view(B, S, self.n_kv, self.dh).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -159,6 +172,8 @@ class ReMoEPreTrainedModel(PreTrainedModel):
         std = self.config.init_std
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:  # attention_bias: zeros at init
+                nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
         elif hasattr(module, "reset_parameters") and module.__class__.__module__.startswith("remoe"):

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from remoe.model import dispatch
 from remoe.model.experts import SwiGLU, SwiGLUExperts
 from remoe.model.routers import RouterContext, build_router
+from remoe.model.shared_expert import build_shared_expert
 
 
 @dataclass
@@ -50,6 +51,8 @@ class MoEConfig:
     expert_backend: str = "auto"  # auto | grouped_mm | reference
     recompute_experts: bool = False
     init_std: float = 0.02
+    shared_expert_size: int = 0  # S > 0: a shared SwiGLU for every token (model.shared_expert)
+    shared_expert_gate: bool = True  # ... scaled per token by sigmoid(x w_g) (Qwen2-MoE)
 
     @property
     def num_routed(self) -> int:
@@ -92,6 +95,7 @@ class MoELayer(nn.Module):
         self.router = build_router(cfg)
         self.experts = SwiGLUExperts(cfg.num_routed, cfg.d_model, cfg.d_expert, cfg.init_std,
                                      backend=cfg.expert_backend, recompute=cfg.recompute_experts)
+        self.shared_expert = build_shared_expert(cfg)  # None unless cfg.shared_expert_size > 0
 
     def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
         ctx = _context_for(x, ctx)
@@ -101,6 +105,8 @@ class MoELayer(nn.Module):
         plan = dispatch.plan(r.mask_TN)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
         y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
         aux = LayerAux(r.reg_loss, r.aux_loss, plan.counts_N.float(), T,
                        r.mask_TN if ctx.record_masks else None)
         return y_TD.view_as(x), aux

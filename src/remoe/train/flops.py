@@ -3,7 +3,9 @@
 Matmul FLOPs only (2 per multiply-add), after Narayanan et al. (2021): per token and layer the
 attention projections, the attention scores and values (``2 * 2 * S * D``), the router, and
 ``2 * 3 * D * H`` per active (token, expert) pair (SwiGLU has three projections); plus the LM
-head. Training = 3x forward (backward costs two forwards). ReMoE is denser in stages I-II, so
+head. A shared expert (``shared_expert_size`` S > 0) costs every token ``2 * 3 * D * S`` in
+each MoE layer, plus ``2 * D`` for its gate; attention biases and q/k norms are not matmuls.
+Training = 3x forward (backward costs two forwards). ReMoE is denser in stages I-II, so
 its FLOPs per step are higher there: this is what makes matched-compute comparisons possible
 (paper §4.3).
 """
@@ -29,6 +31,9 @@ class FlopCounter:
         kind = registry.resolve(c.router)
         router = D * c.num_experts * c.granularity if c.is_moe and kind.has_router_weights else 0
         per_layer = 2 * (attn_proj + router) + 2 * attn_scores
+        shared = getattr(c, "shared_expert_size", 0)
+        if c.is_moe and shared:
+            per_layer += 2 * (3 * D * shared + (D if c.shared_expert_gate else 0))
         if not c.is_moe:
             per_layer += 2 * 3 * D * kind.width(c)
         return L * per_layer + 2 * D * c.vocab_size
