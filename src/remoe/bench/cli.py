@@ -15,19 +15,16 @@ Method: docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from remoe import allocator
 from remoe.allocator import MODES
 
-SUITES = ("layer", "model", "machine", "all", "load")  # load: whole runs, not part of "all"
+SUITES = ("layer", "model", "machine", "all", "load", "scale")  # load, scale: whole runs, not in "all"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default: bench_results/<suite>[-quick].json)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--reps", type=int, default=None, help="timed rounds per measurement")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per measurement")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="layer suite: rounds over a case's rows, each row in a fresh process per "
+                        "round, order rotated (default 3; quick 1)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="start N CPU-bound processes for the whole run: measure 'beside a busy "
+                        "process' on an otherwise idle machine (default 0)")
     p.add_argument("--allocator", choices=MODES, default="auto",
                    help="host allocator of the measuring processes (remoe.allocator): auto "
                         "(default: tcmalloc when installed, else the system malloc), default, "
@@ -53,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grid", action="store_true", help="the full E x G grid instead of two sweeps")
     g.add_argument("--rows", nargs="+", default=None,
                    help="layer rows (default: dense relu topk relu_unfused hf_eager hf_grouped_mm; "
+                        "also dense_wide relu_stage1: stage I vs a dense FFN E times as wide; "
                         "any registered router name also works)")
     g.add_argument("--router-module", nargs="+", default=[], metavar="MODULE",
                    help="modules that register routers (remoe.register_router) to import first")
@@ -117,7 +121,8 @@ def _print_targets(targets: list[dict]) -> None:
         return
     for t in targets:
         mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-        print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']})")
+        rng = f", rounds {t['range'][0]}..{t['range'][1]}" if t.get("range") else ""
+        print(f"  [{mark:>6}] {t['target']}: {t['value']} (target {t['limit']}{rng})")
 
 
 def _stages_line(st: dict) -> str:
@@ -132,42 +137,11 @@ def _stages_line(st: dict) -> str:
             f"{st.get('stage12_extra_s', float('nan')):.2f} s")
 
 
-def _child_call(mode: str, threads: int, fn, args, kwargs):
-    sys.stdout.reconfigure(line_buffering=True)  # progress lines as they happen
-    from remoe import registry
-
-    registry.import_modules([m for m in os.environ.get("REMOE_ROUTER_MODULES", "").split(",") if m],
-                            "--router-module")
-    allocator.configure(mode, "remoe bench", may_reexec=False)  # the parent preloaded tcmalloc
-    torch.set_num_threads(threads)
-    return fn(*args, **kwargs)
-
-
-def _in_child(args: argparse.Namespace, fn, *fargs, **fkwargs):
-    """``fn(*fargs, **fkwargs)`` in a fresh spawned process that uses ``args.allocator`` and this
-    process's thread count. Measurements start from a clean heap (as a training process does),
-    and allocator settings never leak into the calling process (tests call :func:`main`)."""
-    import concurrent.futures
-    import multiprocessing
-
-    env = allocator.child_environment(args.allocator)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit it (tcmalloc must be preloaded at start)
-    sys.stdout.flush()
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            return pool.submit(_child_call, args.allocator, torch.get_num_threads(), fn, fargs,
-                               fkwargs).result()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `remoe bench --help` stays fast
+
+    from remoe.bench.procs import FreshProcesses
+
     from remoe.bench import common
 
     allocator.check_mode(args.allocator, "remoe bench")
@@ -175,11 +149,24 @@ def run(args: argparse.Namespace) -> int:
         from remoe import registry
 
         registry.import_modules(args.router_module, "--router-module")
-        os.environ["REMOE_ROUTER_MODULES"] = ",".join(args.router_module)
     alloc_desc = allocator.describe(args.allocator)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(max(0, args.busy))]
+    try:
+        with FreshProcesses(args.allocator, args.router_module) as in_child:
+            return _run(args, alloc_desc, common, in_child)
+    finally:
+        for sp in spinners:
+            sp.kill()
+            sp.wait()
+
+
+def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
+    import torch  # here, not at the top: `remoe bench --help` stays fast
+
     t_start = time.perf_counter()
     suite = args.suite
     out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
@@ -187,11 +174,15 @@ def run(args: argparse.Namespace) -> int:
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
                  "machine": common.machine_info(alloc_desc)}
     m = res["machine"]
+    m["busy_spinners_started"] = args.busy
     if args.quick:
         res["note"] = SMOKE_NOTE
         print(SMOKE_NOTE)
     print(f"machine: {m['cpu_model']}, {m['cores_logical']} logical cores, torch {m['torch']}, "
           f"{m['threads']} threads, load {m['loadavg_start']}, allocator: {alloc_desc}")
+    print("busy beside this run: " + (", ".join(f"{b['name']}[{b['pid']}] nice {b['nice']} "
+                                                f"{b['cores']:.2f} cores"
+                                                for b in m["busy_processes_start"]) or "nothing"))
 
     # On one thread, process CPU time is wall time minus the time other processes held the
     # core: the robust figure on a shared machine. With several threads, spinning workers
@@ -221,27 +212,47 @@ def run(args: argparse.Namespace) -> int:
             ("condition", "condition               ", ""), ("setting", "threads             ", ""),
             ("tokens_per_s", "tokens/s", ",.0f"), ("vs_alone", "x alone", ".2f")]))
 
+    if suite == "scale":  # remoe.bench.scale: DDP / FSDP / FSDP+EP over 1, 2, 4 gloo processes
+        from remoe.bench.scale import run_scale
+        from remoe.train.cli import DEFAULT_CONFIG
+
+        config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+        quick = ["model.preset=micro", "train.seq_len=64"] if args.quick else []
+        res["scale"] = run_scale(config, worlds=(1, 2) if args.quick else (1, 2, 4),
+                                 steps=4 if args.quick else 8, extra=quick)
+        print(f"\nscale suite: `remoe train` ({config or 'default config'}) under torchrun, gloo, "
+              "1 thread per rank, the same micro batch per rank")
+        print(_fmt_table(res["scale"]["rows"], [
+            ("world", "ranks", ""), ("layout", "layout                  ", ""),
+            ("tokens_per_s", "tokens/s", ",.0f"), ("tokens_per_s_per_rank", "per rank", ",.0f"),
+            ("peak_rss_mb_max", "peak RSS MB (max rank)", ",.0f")]))
+
     if suite in ("layer", "all"):
         from remoe.bench import layer
 
         reps = args.reps or (2 if args.quick else 5)
+        rounds = args.rounds or (1 if args.quick else 3)
         rows_sel = tuple(args.rows) if args.rows else layer.ROWS
         rows = []
-        where = "rows of a case in one fresh process" if args.quick else "each row in a fresh process"
+        where = ("rows of a case in one fresh process" if args.quick else
+                 f"{rounds} rounds over the rows in rotated order, each row in a fresh process")
         print(f"\nlayer suite: forward+backward, median of {reps} calls after a warm-up, {where}")
+        res["layer_method"] = {"reps": reps, "rounds": rounds, "fresh_process_per_row": not args.quick,
+                               "order": "rotated by one row per round"}
         for case in _cases(args):
-            kw = dict(rows=rows_sel, memory=not args.no_memory, use_cpu=use_cpu)
+            kw = dict(rows=rows_sel, memory=not args.no_memory, use_cpu=use_cpu, rounds=rounds)
             if args.quick:  # smoke run: fewer process start-ups
-                rows += _in_child(args, layer.run_case, case, reps, peak, **kw)
+                rows += in_child(layer.run_case, case, reps, peak, **kw)
             else:  # no allocator state carried from one row to the next
-                rows += layer.run_case(case, reps, peak, runner=functools.partial(_in_child, args),
+                rows += layer.run_case(case, reps, peak, runner=in_child,
                                        **kw)
         targets = _judge(layer.layer_targets(rows, metric), args.quick)
         res["layer"] = {"rows": rows, "targets": targets}
         print()
         print(_fmt_table(rows, [("case", "case          ", ""), ("row", "row           ", ""),
                                 ("wall_ms", "fwd+bwd ms", ".1f"), ("vs_dense", "x dense", ".2f"),
-                                ("cpu_ms", "cpu ms", ".1f"), ("vs_dense_cpu", "x dense cpu", ".2f"),
+                                ("cpu_ms", "cpu ms", ".1f"), ("cpu_rel_spread", "+-", ".2f"),
+                                ("vs_dense_cpu", "x dense cpu", ".2f"),
                                 ("peak_mem_mb", "peak MB", ".1f"),
                                 ("gflops", "GFLOP/s", ".1f"), ("mfu", "MFU", ".2f"),
                                 ("sparsity", "sparsity", ".3f")]))
@@ -257,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             kw.update(batch=2, seq=64)
         print(f"\nmodel suite ({preset}): training (fwd+bwd+AdamW) and inference, "
               f"median of {reps} interleaved rounds")
-        thr = _in_child(args, model.throughput, reps=reps, **kw)
+        thr = in_child(model.throughput, reps=reps, **kw)
         for r in thr:
             if use_cpu:
                 r["train_mfu"] = r["train_gflops"] * r["train_step_ms"] / r["train_cpu_ms"] / peak
@@ -270,9 +281,9 @@ def run(args: argparse.Namespace) -> int:
         st_kw = dict(kw) if args.quick else dict(kw, batch=4, seq=128)
         print(f"stages I-II: ReMoE from init vs TopK, up to {steps} steps, batch "
               f"{st_kw.get('batch', 8)}x{st_kw.get('seq', 256)}")
-        st = _in_child(args, model.stages, max_steps=steps,
+        st = in_child(model.stages, max_steps=steps,
                        extra_after_settle=2 if args.quick else 15, metric=metric, **st_kw)
-        mem = _in_child(args, model.memory, **kw)
+        mem = in_child(model.memory, **kw)
         targets = _judge(model.model_targets(thr, mem, metric, preset=preset), args.quick)
         res["model"] = {"preset": preset, "throughput": thr, "stages": st, "memory": mem,
                         "targets": targets}
@@ -293,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         _print_targets(targets)
 
     res["machine"]["loadavg_end"] = common.loadavg()
+    res["machine"]["busy_processes_end"] = common.busy_processes()
     res["elapsed_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1, default=float))

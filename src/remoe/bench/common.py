@@ -128,6 +128,77 @@ def loadavg() -> list[float] | None:
         return None
 
 
+def _proc_stat_busy_s() -> float | None:
+    """Seconds of CPU time spent by the whole machine (all cores, all processes) since boot."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class OthersMeter:
+    """How many cores *other* processes kept busy while a measurement ran.
+
+    ``start()`` / ``stop()`` around the timed calls of one process: the machine's busy CPU
+    seconds (``/proc/stat``) minus this process's own CPU seconds, over the wall time. 0 on an
+    idle machine, ~1 beside one CPU-bound process; None where ``/proc`` is missing.
+    """
+
+    def start(self) -> None:
+        self.busy0, self.cpu0, self.wall0 = _proc_stat_busy_s(), time.process_time(), time.perf_counter()
+
+    def stop(self) -> float | None:
+        busy1, cpu1, wall1 = _proc_stat_busy_s(), time.process_time(), time.perf_counter()
+        if self.busy0 is None or busy1 is None or wall1 <= self.wall0:
+            return None
+        return round(max(0.0, (busy1 - self.busy0) - (cpu1 - self.cpu0)) / (wall1 - self.wall0), 2)
+
+
+def _proc_cpu_s(pid: str) -> tuple[str, int, float] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    name = raw[raw.index("(") + 1:raw.rindex(")")]
+    rest = raw[raw.rindex(")") + 2:].split()
+    # fields after the name: state(0) ... utime(11) stime(12) ... nice(16)
+    return name, int(rest[16]), (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_processes(interval_s: float = 1.0, top: int = 6, min_share: float = 0.05) -> list[dict]:
+    """The processes that used the most CPU over ``interval_s`` (name, pid, nice, cores used):
+    what else ran on the machine while the benchmark did. Empty where ``/proc`` is missing."""
+    if not os.path.isdir("/proc"):
+        return []
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    before = {p: _proc_cpu_s(p) for p in pids}
+    time.sleep(interval_s)
+    out = []
+    for p, b in before.items():
+        a = _proc_cpu_s(p)
+        if a is None or b is None:
+            continue
+        share = (a[2] - b[2]) / interval_s
+        if share >= min_share:
+            out.append({"pid": int(p), "name": a[0], "nice": a[1], "cores": round(share, 2)})
+    out.sort(key=lambda r: -r["cores"])
+    return out[:top]
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and the relative half-range ``(max - min) / 2 / median`` of ``values``."""
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "rel_halfrange": None, "n": 0}
+    med = statistics.median(vals)
+    return {"median": med, "min": min(vals), "max": max(vals), "n": len(vals),
+            "rel_halfrange": (max(vals) - min(vals)) / 2 / med if med else None}
+
+
 def machine_info(allocator: str | None = None) -> dict:
     """What the numbers depend on: CPU, cores, threads, library versions, allocator, load."""
     import transformers
@@ -144,6 +215,7 @@ def machine_info(allocator: str | None = None) -> dict:
         "allocator": allocator or os.environ.get("LD_PRELOAD") or "system malloc, default",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "loadavg_start": loadavg(),
+        "busy_processes_start": busy_processes(),
     }
 
 
