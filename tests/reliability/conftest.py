@@ -9,16 +9,11 @@ import traceback
 
 import pytest
 
-from remoe.data import DataConfig, prepare_data
-
 
 @pytest.fixture(scope="session")
-def rundir_data_cfg(tmp_path_factory):
-    """A small built-in corpus + 384-token BPE, built once for the session."""
-    cache = tmp_path_factory.mktemp("rundir_data")
-    cfg = DataConfig(cache_dir=str(cache), max_bytes_per_domain=60_000, vocab_size=384)
-    prepare_data(cfg, progress=False)
-    return cfg
+def rundir_data_cfg(micro_data_cfg):
+    """The session's micro corpus (tests/conftest.py)."""
+    return micro_data_cfg
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,15 @@
+"""Fixtures shared by several test directories."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def micro_data_cfg(tmp_path_factory):
+    """A small built-in corpus + 384-token BPE, built once for the session: the data of the
+    micro training runs of tests/train, tests/model and tests/reliability."""
+    from remoe.data import DataConfig, prepare_data
+
+    cache = tmp_path_factory.mktemp("micro_data")
+    cfg = DataConfig(cache_dir=str(cache), max_bytes_per_domain=60_000, vocab_size=384)
+    prepare_data(cfg, progress=False)
+    return cfg
