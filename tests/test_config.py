@@ -147,3 +147,160 @@ def test_from_pretrained_top_k_override(tmp_path):
     ReMoEConfig(**{**MICRO, "top_k": 2}).save_pretrained(tmp_path)
     assert ReMoEConfig.from_pretrained(tmp_path).moe_top_k == 2
     assert ReMoEConfig.from_pretrained(tmp_path, top_k=3).moe_top_k == 3
+
+
+# ----------------------------------------------------------------------------- composed config
+
+def test_config_is_composed_of_three_sections():
+    """ReMoEConfig is built from backbone + routing + sparsity-control sections and gives them
+    back; each flat field lives in exactly one section; config.json stays flat."""
+    import dataclasses
+
+    from remoe.model_spec import SECTIONS, ModelSpec, section_fields
+
+    cfg = ReMoEConfig(**MICRO, num_experts=16, top_k=4, lambda0=1e-6, revive_after=3)
+    assert cfg.backbone.hidden_size == 64 and cfg.backbone.ffn_hidden_size == 256
+    assert (cfg.routing.num_experts, cfg.routing.top_k, cfg.moe_top_k) == (16, 4, 4)
+    assert (cfg.control.lambda0, cfg.control.revive_after) == (1e-6, 3)
+    assert cfg.target_sparsity == cfg.routing.target_sparsity == 0.75
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(section_fields())
+    flat = cfg.to_dict()
+    for name in names:  # every field a top-level config.json key (k as moe_top_k)
+        assert flat["moe_top_k" if name == "top_k" else name] == getattr(cfg.spec, name)
+    assert "lambda0" not in {f.name for f in dataclasses.fields(type(cfg.routing))}
+    assert ModelSpec.from_flat({**MICRO, "top_k": 4, "num_experts": 16, "lambda0": 1e-6,
+                                "revive_after": 3}) == cfg.spec
+
+
+def test_layer_config_takes_every_field_from_the_routing_section():
+    """moe_config() copies no field by hand: every MoE-layer field but the widths/init comes
+    from the routing section, so a new layer field cannot be silently left at its default."""
+    import dataclasses
+
+    from remoe.model.moe import MoEConfig
+    from remoe.model_spec import RoutingConfig
+
+    layer = {f.name for f in dataclasses.fields(MoEConfig)} - {"d_model", "d_ffn", "init_std"}
+    assert layer <= {f.name for f in dataclasses.fields(RoutingConfig)}
+    cfg = ReMoEConfig(**MICRO, router="topk", num_experts=6, top_k=2, lb_coeff=0.5,
+                      granularity=2, init_std=0.01)
+    m = cfg.moe_config()
+    assert (m.d_model, m.d_ffn, m.init_std, m.num_experts, m.top_k, m.lb_coeff, m.granularity) \
+        == (64, 256, 0.01, 6, 2, 0.5, 2)
+    assert m.target_sparsity == cfg.target_sparsity
+
+
+def test_old_config_json_without_newer_fields_loads(tmp_path):
+    cfg = ReMoEConfig(**MICRO, lambda0=2e-8, alpha=1.5)
+    cfg.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    for newer in ("sparsity_control", "lambda_update", "lambda_pi_kp", "lambda_pi_ki",
+                  "revive_after", "bias_update_rate", "router_module"):
+        data.pop(newer)
+    path.write_text(json.dumps(data))
+    loaded = ReMoEConfig.from_pretrained(tmp_path)
+    assert (loaded.control.lambda0, loaded.control.alpha) == (2e-8, 1.5)
+    assert loaded.control.sparsity_control == "global" and loaded.revive_after == 0
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", 0), ("alpha", 1.0),
+                                          ("lambda_update", "pid"), ("init_std", 0.0)])
+def test_one_validation_for_python_yaml_and_spec(field, value):
+    """The same one-line message from ReMoEConfig, the YAML loader and the spec itself."""
+    from remoe.model_spec import ModelSpec
+    from remoe.train.config import load_config
+
+    msgs = []
+    for make in (lambda: ReMoEConfig(**{**PRESETS["tiny"], field: value}),
+                 lambda: load_config(None, [f"model.{field}={value}"]),
+                 lambda: ModelSpec.from_flat({"preset": "tiny", field: value}).validate()):
+        with pytest.raises(ConfigError) as e:
+            make()
+        msgs.append(str(e.value))
+    assert len(set(msgs)) == 1 and msgs[0].startswith(f"model.{field}=")
+
+
+def test_yaml_model_section_keeps_its_keys():
+    from remoe.train.config import load_config
+
+    cfg = load_config(None, ["model.lambda0=1e-7", "model.alpha=1.3", "model.top_k=2",
+                             "model.eos_token_id=3"])
+    mc = cfg.model_config(vocab_size=cfg.data.vocab_size)
+    assert (mc.lambda0, mc.alpha, mc.moe_top_k, mc.eos_token_id) == (1e-7, 1.3, 2, 3)
+    assert cfg.model_spec().control.lambda0 == 1e-7
+    with pytest.raises(ConfigError, match=r"^unknown key model\.lamda0 \(allowed: preset, "):
+        load_config(None, ["model.lamda0=1e-7"])
+    with pytest.raises(ConfigError, match=r"^model\.alpha='x' must be of type float$"):
+        load_config(None, ["model.alpha=x"])
+
+
+def test_registry_knows_which_builtins_add_config_checks():
+    """Validation imports (torch-heavy) router modules only for the built-ins listed in
+    registry.BUILTINS_WITH_CHECKS: that list must be exactly the classes with their own hook."""
+    import ast
+    import inspect
+    import textwrap
+
+    from remoe import registry
+
+    def checks_something(cls) -> bool:  # the hook's body is more than a docstring / pass
+        src = textwrap.dedent(inspect.getsource(cls.validate_config.__func__))
+        body = ast.parse(src).body[0].body
+        return any(not isinstance(s, (ast.Pass, ast.Expr)) for s in body)
+
+    own = {n for n in registry.BUILTINS if checks_something(registry.resolve(n))}
+    assert own == set(registry.BUILTINS_WITH_CHECKS)
+    with pytest.raises(ConfigError, match=r"^model\.warmup_k=9 must be <= model\.num_experts=8$"):
+        ReMoEConfig(**MICRO, router="topk_warmup", warmup_k=9)
+
+
+_LIGHT_COMMANDS = r"""
+import contextlib, io, json, sys
+from remoe.cli import main
+out = {}
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    out[" ".join(argv)] = [rc, sorted(m for m in ("torch", "transformers") if m in sys.modules)]
+print(json.dumps(out))
+"""
+
+
+def test_help_print_config_and_config_errors_import_neither_torch_nor_transformers(tmp_path):
+    """Issue 17: `--help`, `--print-config` and a config error must not pay for importing torch
+    or transformers (seconds). Checked by sys.modules in a fresh interpreter, not by timing."""
+    import subprocess
+    import sys
+
+    cases = [["--help"], *[[c, "--help"] for c in ("data", "train", "eval", "analyze", "report",
+                                                    "bench", "study", "convert")],
+             ["train", "--print-config"], ["train", "--set", "model.num_experts=0"],
+             ["train", "--set", "model.router=topk", "--print-config"]]
+    done = subprocess.run([sys.executable, "-c", _LIGHT_COMMANDS, json.dumps(cases)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["train --set model.num_experts=0"][0] == 2
+    assert result["train --print-config"][0] == 0
+    heavy = {cmd: mods for cmd, (_, mods) in result.items() if mods}
+    assert heavy == {}, f"these commands imported heavy modules: {heavy}"
+
+
+def test_public_names_are_lazy_and_register_auto_classes():
+    """`import remoe` imports nothing heavy; the names still resolve, and using the config
+    registers model_type "remoe" with transformers' AutoConfig."""
+    import subprocess
+    import sys
+
+    code = ("import sys, remoe; light = not {'torch', 'transformers'} & set(sys.modules); "
+            "from remoe import ReMoEConfig, Router, register_router, ModelSpec, LambdaController; "
+            "from transformers import AutoConfig; "
+            "print(light, AutoConfig.for_model('remoe').__class__ is ReMoEConfig)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["True", "True"], done.stderr

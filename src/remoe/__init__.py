@@ -1,20 +1,44 @@
-"""remoe: ReLU-routed Mixture-of-Experts language models (ReMoE, ICLR 2025)."""
+"""remoe: ReLU-routed Mixture-of-Experts language models (ReMoE, ICLR 2025).
 
-from transformers import AutoConfig, AutoModelForCausalLM
+``import remoe`` is light (no torch, no transformers): the public names below are imported on
+first use (PEP 562), so ``remoe --help``, ``remoe train --print-config`` and config errors stay
+fast. Using the config or the model (``from remoe import ReMoEConfig``, ``ReMoEForCausalLM``,
+or any ``remoe.config`` / ``remoe.model`` import) registers model_type ``remoe`` with
+transformers' ``AutoConfig`` / ``AutoModelForCausalLM``.
+"""
 
-from remoe.config import PRESETS, ROUTERS, ReMoEConfig
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from remoe.errors import ConfigError
-from remoe.model import (LayerAux, MoEAux, MoEConfig, MoELayer, ReMoEForCausalLM, ReMoEOutput,
-                         RouterContext, Routing)
-from remoe.model.routers import Router
 from remoe.registry import register_router
-from remoe.sparsity import LambdaController
 
 __version__ = "0.1.0"
 
-AutoConfig.register("remoe", ReMoEConfig, exist_ok=True)
-AutoModelForCausalLM.register(ReMoEConfig, ReMoEForCausalLM, exist_ok=True)
+#: public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "PRESETS": "remoe.model_spec", "ROUTERS": "remoe.model_spec", "ModelSpec": "remoe.model_spec",
+    "BackboneConfig": "remoe.model_spec", "RoutingConfig": "remoe.model_spec",
+    "SparsityControlConfig": "remoe.model_spec",
+    "ReMoEConfig": "remoe.config",
+    "LayerAux": "remoe.model", "MoEAux": "remoe.model", "MoEConfig": "remoe.model",
+    "MoELayer": "remoe.model", "ReMoEForCausalLM": "remoe.model", "ReMoEOutput": "remoe.model",
+    "RouterContext": "remoe.model", "Routing": "remoe.model", "Router": "remoe.model",
+    "LambdaController": "remoe.sparsity",
+}
 
-__all__ = ["PRESETS", "ROUTERS", "ReMoEConfig", "ConfigError", "LayerAux", "MoEAux", "MoEConfig",
-           "MoELayer", "ReMoEForCausalLM", "ReMoEOutput", "Router", "RouterContext", "Routing",
-           "LambdaController", "register_router", "__version__"]
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'remoe' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = ["ConfigError", "register_router", "__version__", *_LAZY]

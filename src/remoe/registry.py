@@ -43,6 +43,11 @@ BUILTINS: dict[str, str] = {
     "dense_wide": "remoe.model.moe:DenseWideFFN",  # FFN kind: dense, E x the width
 }
 
+#: the built-ins whose class adds config checks (``validate_config``): only these are imported
+#: to validate a config, so validating the others needs no torch (tests/test_config.py keeps
+#: this set equal to the classes that override the hook)
+BUILTINS_WITH_CHECKS = frozenset({"topk_warmup", "blockffn", "lory"})
+
 _user: dict[str, type] = {}  # registered at import time by user modules (append-only)
 
 
@@ -89,6 +94,12 @@ def resolve(name: str) -> type:
 def declares(name: str, what: str) -> Any:
     """One declaration of ``name``'s class (see the module docstring)."""
     return getattr(resolve(name), what)
+
+
+def validate_config(name: str, cfg: Any, prefix: str = "model.") -> None:
+    """Run ``name``'s own config checks (``cfg``: the flat model fields as attributes)."""
+    if name in _user or name in BUILTINS_WITH_CHECKS:
+        resolve(name).validate_config(cfg, prefix)
 
 
 def is_token_router(name: str) -> bool:

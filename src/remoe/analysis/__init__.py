@@ -7,10 +7,20 @@
 ratios, domain specialisation, dynamic allocation, top tokens per expert).
 """
 
-from remoe.analysis.flips import FlipSeries, flip_rate, flip_series
-from remoe.analysis.routing import RoutingStats, collect_routing_stats
-from remoe.analysis.runlog import Run, load_masks
-from remoe.stages import Stages, detect_stages
+import importlib
 
-__all__ = ["FlipSeries", "RoutingStats", "Run", "Stages", "collect_routing_stats",
-           "detect_stages", "flip_rate", "flip_series", "load_masks"]
+# public name -> its module, imported on first use (PEP 562): `remoe analyze --help` and
+# `remoe report --help` must not import torch
+_LAZY = {"FlipSeries": "remoe.analysis.flips", "flip_rate": "remoe.analysis.flips",
+         "flip_series": "remoe.analysis.flips", "RoutingStats": "remoe.analysis.routing",
+         "collect_routing_stats": "remoe.analysis.routing", "Run": "remoe.analysis.runlog",
+         "load_masks": "remoe.analysis.runlog", "Stages": "remoe.stages",
+         "detect_stages": "remoe.stages"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'remoe.analysis' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -12,6 +12,13 @@
 Importing this package does not import lm-eval (a few seconds); the submodules that need it do.
 """
 
-from remoe.losses import evaluate_loss
-
 __all__ = ["evaluate_loss"]
+
+
+def __getattr__(name: str):
+    # lazy (PEP 562): `remoe eval --help` must not import torch
+    if name == "evaluate_loss":
+        from remoe.losses import evaluate_loss
+
+        return evaluate_loss
+    raise AttributeError(f"module 'remoe.eval' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Experiment configs: YAML files mapped one to one onto dataclasses, with ``--set`` overrides.
 
-An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (the fields of
-:class:`remoe.ReMoEConfig` plus ``preset``), ``data`` (:class:`remoe.data.DataConfig`),
+An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (``preset`` and the
+fields of the three model sections of :mod:`remoe.model_spec`, flat), ``data`` (:class:`remoe.data.DataConfig`),
 ``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
 duplicate keys, wrong types, non-finite numbers, impossible values, a file that is not UTF-8
 YAML, a section that is not a mapping and a run directory that cannot be one raise
@@ -14,16 +14,18 @@ YAML file (or no file) gives exactly that experiment.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from remoe.config import PRESETS, ReMoEConfig, validate_model_fields
 from remoe.errors import ConfigError
+from remoe.model_spec import PRESETS, TOKEN_IDS, ModelSpec, section_fields
+
+if TYPE_CHECKING:
+    from remoe.config import ReMoEConfig
 
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's SeedSequence take any 0 <= seed < 2**64
@@ -93,6 +95,9 @@ class TrainConfig:
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
     # layer (remoe.model.expert_parallel); no-op with one process
     expert_parallel: bool = False
+    # FSDP2 under torchrun: decoder blocks and root sharded over the ranks, sharded (DCP)
+    # checkpoints (remoe.train.fsdp, remoe.train.dcp; docs/SCALING.md)
+    fsdp: bool = False
 
     def validate(self) -> None:
         _check_finite(self, "train")
@@ -121,6 +126,7 @@ class TrainConfig:
                f"train.num_threads={self.num_threads!r} must be >= 1 or null")
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
+        _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
 
 
 @dataclass
@@ -156,14 +162,23 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
 
-    def model_config(self, vocab_size: int | None = None, **extra: Any) -> ReMoEConfig:
-        """The ReMoEConfig of this experiment (``vocab_size`` from the tokenizer if not set)."""
+    def _model_fields(self, vocab_size: int | None, extra: dict[str, Any]) -> dict[str, Any]:
         fields = dict(self.model)
         preset = fields.pop("preset", None)
         base = dict(PRESETS[preset]) if preset else {}
         if vocab_size is not None and "vocab_size" not in fields:
             fields["vocab_size"] = vocab_size
-        return ReMoEConfig(**{**base, **fields, **extra})
+        return {**base, **fields, **extra}
+
+    def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
+        """The model's three sections (no torch/transformers; validated by :func:`load_config`)."""
+        return ModelSpec.from_flat(self._model_fields(vocab_size, {}))
+
+    def model_config(self, vocab_size: int | None = None, **extra: Any) -> "ReMoEConfig":
+        """The ReMoEConfig of this experiment (``vocab_size`` from the tokenizer if not set)."""
+        from remoe.config import ReMoEConfig
+
+        return ReMoEConfig(**self._model_fields(vocab_size, extra))
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": dataclasses.asdict(self.run), "model": dict(self.model),
@@ -238,54 +253,23 @@ def _build(cls, values: dict[str, Any], section: str):
     return obj
 
 
-def _model_params() -> dict[str, inspect.Parameter]:
-    params = dict(inspect.signature(ReMoEConfig.__init__).parameters)
-    for drop in ("self", "kwargs"):
-        params.pop(drop, None)
-    return params
-
-
-def _model_annotation(key: str, default: Any) -> str:
-    """The type a model field takes, read off ReMoEConfig's constructor defaults."""
-    if key == "top_k":
-        return "int"
-    if key == "router_module":
-        return "str|None"
-    if default is None:
-        return "int|None"
-    return type(default).__name__ if type(default) in (bool, int, float, str) else "Any"
+def _model_annotation(key: str) -> str:
+    """The type a model field takes: its section dataclass's annotation."""
+    return "int" if key in TOKEN_IDS else str(section_fields()[key][1].type)
 
 
 def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
     _check(isinstance(values, dict), f"model must be a mapping, got {values!r}")
-    params = _model_params()
+    allowed = [*section_fields(), *TOKEN_IDS]
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key == "preset":
             _check(value in PRESETS, f"model.preset={value!r} must be one of {', '.join(PRESETS)}")
             out[key] = value
             continue
-        _check(key in params, f"unknown key model.{key} (allowed: preset, {', '.join(params)})")
-        out[key] = _coerce(value, _model_annotation(key, params[key].default), f"model.{key}")
-    if out.get("router_module"):  # a user's router registers itself on import
-        from remoe import registry
-
-        registry.import_modules([out["router_module"]], "model.router_module")
+        _check(key in allowed, f"unknown key model.{key} (allowed: preset, {', '.join(allowed)})")
+        out[key] = _coerce(value, _model_annotation(key), f"model.{key}")
     return out
-
-
-def _validate_model(model: dict[str, Any]) -> None:
-    """Validate the model section as ReMoEConfig would, with the section's field names."""
-    fields = dict(model)
-    preset = fields.pop("preset", None)
-    merged = {**(PRESETS[preset] if preset else {}), **fields}
-    defaults = {k: p.default for k, p in _model_params().items()}
-    c = type("M", (), {**defaults, **merged})()
-    if c.ffn_hidden_size is None:
-        c.ffn_hidden_size = 4 * c.hidden_size
-    if c.top_k is None:
-        c.top_k = 1
-    validate_model_fields(c)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -386,7 +370,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                f"(allowed: {', '.join(SECTIONS)})")
         raw.setdefault(section, {})[key] = value
     model = _build_model_section(raw.get("model", {"preset": "tiny"}))
-    _validate_model(model)
+    ModelSpec.from_flat(model).validate()  # the one validation of every model field
     cfg = ExperimentConfig(
         run=_build(RunConfig, raw.get("run", {}), "run"),
         model=model,
@@ -394,12 +378,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         train=_build(TrainConfig, raw.get("train", {}), "train"),
         analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
     )
-    max_pos = cfg.model_config(vocab_size=cfg.data.vocab_size).max_position_embeddings
+    spec = cfg.model_spec(vocab_size=cfg.data.vocab_size)
+    max_pos = spec.backbone.max_position_embeddings
     if cfg.train.expert_parallel:  # the world size is checked when training starts
         from remoe.model.expert_parallel import check_expert_parallel
 
-        mc = cfg.model_config(vocab_size=cfg.data.vocab_size)
-        check_expert_parallel(mc.router, mc.num_experts * mc.granularity)
+        check_expert_parallel(spec.routing.router, spec.routing.num_experts * spec.routing.granularity)
     _check(cfg.train.seq_len <= max_pos,
            f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
     return cfg

@@ -1,0 +1,312 @@
+"""The model config as three sections, each a small dataclass validated once (no torch/transformers).
+
+* :class:`BackboneConfig` — the LLaMA backbone (widths, depth, heads, RoPE, norms, init);
+* :class:`RoutingConfig` — the FFN slot: ``router`` (any name of :mod:`remoe.registry`), E, k,
+  G, and every router's own options;
+* :class:`SparsityControlConfig` — what the sparsity controller (:mod:`remoe.sparsity`) reads:
+  ``lambda0``, ``alpha``, the update rule, per-layer control and expert revival.
+
+:class:`ModelSpec` composes them. :class:`remoe.ReMoEConfig` (the transformers config) is built
+from a ``ModelSpec`` and stays flat, so ``config.json`` keeps one key per field; the YAML
+``model:`` section is flat too (``model.num_experts``, ...). A field lives in exactly one
+section: to add one, add it (type, default, comment) to its dataclass and its check to that
+class's ``validate`` — the YAML loader, ``ReMoEConfig`` and ``config.json`` pick it up.
+
+This module imports neither torch nor transformers, so ``remoe train --print-config`` and config
+errors stay fast (a router module, which needs torch, is imported only if its class adds checks:
+:data:`remoe.registry.BUILTINS_WITH_CHECKS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from remoe import registry
+from remoe.errors import ConfigError
+
+#: The built-in values of ``model.router`` (remoe.registry; user modules may register more).
+#: ``dense`` and ``dense_wide`` replace the MoE layer by a dense SwiGLU FFN of width ``d_ffn``
+#: and ``num_experts * d_ffn`` ("Dense x E"); ``lory`` is Lory's segment-merging FFN.
+ROUTERS = tuple(registry.BUILTINS)
+REG_TYPES = ("lb", "l1")
+SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
+LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
+EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
+LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
+#: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section
+TOKEN_IDS = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0}
+
+# Table 1 of the paper (dense backbones); the GPT-2 vocabulary 50257 is padded to 50304
+# (a multiple of 64), as Megatron does. The two small presets train on a laptop CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                  max_position_embeddings=256),
+    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=8192,
+                 max_position_embeddings=512),
+    "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, vocab_size=50304,
+                  max_position_embeddings=1024),
+    "medium": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=4,
+                   vocab_size=50304, max_position_embeddings=1024),
+    "large": dict(hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=4,
+                  vocab_size=50304, max_position_embeddings=1024),
+}
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _real(v: Any) -> bool:
+    """A finite int/float that is not a bool (YAML `true` must not pass as 1)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_ints(obj: Any, names: tuple[str, ...], p: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _need(_int(v) and v >= 1, f"{p}{name}={v!r} must be a positive integer")
+
+
+def _nonnegative_reals(obj: Any, names: tuple[str, ...], p: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _need(_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
+
+
+def _bools(obj: Any, names: tuple[str, ...], p: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _need(isinstance(v, bool), f"{p}{name}={v!r} must be true or false")
+
+
+def _one_of(obj: Any, name: str, allowed: tuple[str, ...], p: str) -> None:
+    v = getattr(obj, name)
+    _need(v in allowed, f"{p}{name}={v!r} must be one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """The LLaMA backbone of Table 1 (RMSNorm, RoPE, GQA attention)."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2  # GQA groups
+    ffn_hidden_size: int | None = None  # width of the dense FFN; None: 4 x hidden_size
+    max_position_embeddings: int = 1024
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # parts of other model families (remoe convert from-hf), off by default:
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over the whole q and k projections (OLMoE)
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None and _int(self.hidden_size):
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self, p: str = "model.") -> None:
+        _positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                              "num_kv_heads", "ffn_hidden_size", "max_position_embeddings"), p)
+        _need(self.hidden_size % self.num_heads == 0,
+              f"{p}num_heads={self.num_heads} must divide {p}hidden_size={self.hidden_size}")
+        _need(self.num_heads % self.num_kv_heads == 0,
+              f"{p}num_kv_heads={self.num_kv_heads} must divide {p}num_heads={self.num_heads}")
+        _need(self.head_dim % 2 == 0, f"{p}hidden_size/num_heads={self.head_dim} must be even "
+              "(RoPE)")
+        _need(_real(self.rope_theta) and self.rope_theta > 0,
+              f"{p}rope_theta={self.rope_theta!r} must be > 0")
+        _need(_real(self.rms_norm_eps) and self.rms_norm_eps > 0,
+              f"{p}rms_norm_eps={self.rms_norm_eps!r} must be > 0")
+        _need(_real(self.init_std) and self.init_std > 0,
+              f"{p}init_std={self.init_std!r} must be > 0")
+        _bools(self, ("attention_bias", "qk_norm"), p)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The FFN slot: which router (or FFN kind), E experts, k, granularity G (E*G experts of
+    width d_ffn/G, k*G active), and each router's options (read by that router only)."""
+
+    router: str = "relu"
+    router_module: str | None = None  # a user module that registers `router` on import
+    num_experts: int = 8  # E
+    top_k: int = 1  # k (stored as `moe_top_k` in ReMoEConfig / config.json)
+    granularity: int = 1  # G
+    reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
+    revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge
+    max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
+    gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
+    topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
+    lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
+    capacity_factor: float = 1.0  # expert choice
+    lory_segment_len: int = 256
+    lory_first_segment: str = "uniform"  # "uniform" (causal) | "self" (Lory's Algorithm 1)
+    warmup_k: int = 6  # topk_warmup
+    warmup_steps: int = 100  # topk_warmup
+    sparsemixer_jitter: float = 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
+    bias_update_rate: float = 1e-3  # topk_auxfree: expert-bias step per optimizer step
+    blockffn_locality_coeff: float = 2e-3  # blockffn: weight of the activation-locality loss
+    blockffn_chunk_len: int = 64  # blockffn: tokens per chunk of the chunk-sparsification loss
+    expert_backend: str = "auto"
+    recompute_experts: bool = False
+    # a shared SwiGLU expert of this width added to every MoE layer's output (0: none), scaled
+    # per token by sigmoid(x w_g) when shared_expert_gate (Qwen2-MoE)
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = True
+
+    @property
+    def target_sparsity(self) -> float:
+        """The sparsity ReMoE steers to: 1 - k/E (G does not change it)."""
+        return 1.0 - self.top_k / self.num_experts
+
+    def validate(self, p: str = "model.") -> None:
+        """The section's own checks (the router's hook runs in :meth:`ModelSpec.validate`)."""
+        if self.router_module:  # a user's router registers itself on import
+            registry.import_modules([self.router_module], f"{p}router_module")
+        _positive_ints(self, ("num_experts", "top_k", "granularity", "lory_segment_len",
+                              "warmup_k", "blockffn_chunk_len"), p)
+        _need(isinstance(self.router, str) and self.router in registry.names(),
+              f"{p}router={self.router!r} must be one of {', '.join(registry.names())} (or a "
+              "router registered by the module named in model.router_module)")
+        _one_of(self, "reg_type", REG_TYPES, p)
+        _one_of(self, "expert_backend", EXPERT_BACKENDS, p)
+        _need(self.top_k <= self.num_experts,
+              f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
+        _nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
+                                  "blockffn_locality_coeff"), p)
+        _need(_int(self.max_active) and self.max_active >= 0,
+              f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
+        _need(isinstance(self.topk_normalize, bool),
+              f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
+        _need(_real(self.lb_coeff) and self.lb_coeff >= 0,
+              f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
+        _need(_real(self.capacity_factor) and self.capacity_factor > 0,
+              f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
+        _need(_int(self.warmup_steps) and self.warmup_steps >= 0,
+              f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        _need(_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
+              f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
+        _one_of(self, "lory_first_segment", LORY_FIRST_SEGMENT, p)
+        _bools(self, ("shared_expert_gate",), p)
+        v = self.shared_expert_size
+        _need(_int(v) and v >= 0,
+              f"{p}shared_expert_size={v!r} must be an integer >= 0 (0: no shared expert)")
+        _need(v == 0 or registry.is_token_router(self.router),
+              f"{p}shared_expert_size={v} needs a token router (an MoE layer), not "
+              f"{p}router={self.router!r}")
+
+
+@dataclass(frozen=True)
+class SparsityControlConfig:
+    """The adaptive lambda of eq. 6 and its options; read by the controller, not the model
+    (used only when the router declares ``uses_adaptive_reg``)."""
+
+    lambda0: float = 1e-8
+    alpha: float = 1.2
+    sparsity_control: str = "global"  # one lambda for the model (paper) | "per_layer"
+    lambda_update: str = "sign"  # eq. 6's sign rule (paper) | "pi"
+    lambda_pi_kp: float = 1.0
+    lambda_pi_ki: float = 0.25
+    revive_after: int = 0  # hand experts silent this many steps to the revival hinge (0: off)
+
+    def validate(self, p: str = "model.") -> None:
+        _need(_real(self.alpha) and self.alpha > 1.0,
+              f"{p}alpha={self.alpha!r} must be a finite number > 1")
+        _need(_real(self.lambda0) and self.lambda0 > 0,
+              f"{p}lambda0={self.lambda0!r} must be a positive finite number")
+        _one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
+        _one_of(self, "lambda_update", LAMBDA_UPDATES, p)
+        _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki"), p)
+        _need(_int(self.revive_after) and self.revive_after >= 0,
+              f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")
+
+
+SECTIONS = {"backbone": BackboneConfig, "routing": RoutingConfig, "control": SparsityControlConfig}
+
+
+def section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every flat model field -> (its section, its dataclass field), in documentation order."""
+    return {f.name: (name, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def defaults() -> dict[str, Any]:
+    """Every model field's default (``ffn_hidden_size`` None: 4 x hidden_size)."""
+    out = {name: f.default for name, (_, f) in section_fields().items()}
+    return {**out, **TOKEN_IDS}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model config, composed: ``backbone``, ``routing``, ``control``.
+
+    Attribute reads fall through to the sections (``spec.num_experts``), so a router's
+    ``validate_config(cfg)`` hook sees one flat namespace, as in ``ReMoEConfig``."""
+
+    backbone: BackboneConfig = dataclasses.field(default_factory=BackboneConfig)
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
+    control: SparsityControlConfig = dataclasses.field(default_factory=SparsityControlConfig)
+
+    @classmethod
+    def from_flat(cls, fields: dict[str, Any], strict: bool = True) -> "ModelSpec":
+        """Split flat fields over the sections (``preset`` expands first; ``moe_top_k`` is
+        ``top_k``). Unknown keys raise ConfigError when ``strict``, else are ignored."""
+        fields = dict(fields)
+        preset = fields.pop("preset", None)
+        if preset is not None:
+            _need(preset in PRESETS, f"model.preset={preset!r} must be one of {sorted(PRESETS)}")
+            fields = {**PRESETS[preset], **fields}
+        if "moe_top_k" in fields:  # ReMoEConfig's / config.json's name for k
+            k = fields.pop("moe_top_k")
+            fields["top_k"] = k if fields.get("top_k") is None else fields["top_k"]
+        if "top_k" in fields and fields["top_k"] is None:  # None: the default k
+            fields["top_k"] = 1
+        known = section_fields()
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in fields.items():
+            if key in known:
+                parts[known[key][0]][key] = value
+            elif strict and key not in TOKEN_IDS:
+                raise ConfigError(f"unknown key model.{key} (allowed: preset, "
+                                  f"{', '.join([*known, *TOKEN_IDS])})")
+        return cls(**{name: SECTIONS[name](**parts[name]) for name in SECTIONS})
+
+    def flat(self) -> dict[str, Any]:
+        """Every field of every section, one level (the YAML/config.json spelling but top_k)."""
+        out: dict[str, Any] = {}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when normal lookup fails: read through to the section holding the field
+        known = section_fields()
+        if name in known:
+            return getattr(object.__getattribute__(self, known[name][0]), name)
+        raise AttributeError(name)
+
+    @property
+    def target_sparsity(self) -> float:
+        return self.routing.target_sparsity
+
+    def validate(self, p: str = "model.") -> None:
+        """Each section's checks, then the cross-section ones and the router's own hook."""
+        self.backbone.validate(p)
+        self.routing.validate(p)
+        g, ffn = self.routing.granularity, self.backbone.ffn_hidden_size
+        _need(ffn % g == 0, f"{p}granularity={g} must divide {p}ffn_hidden_size={ffn}")
+        registry.validate_config(self.routing.router, self, p)
+        self.control.validate(p)
