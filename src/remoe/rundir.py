@@ -52,6 +52,7 @@ LATEST = "LATEST"
 MANIFEST = "checksums.json"
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
+DCP_METADATA = "dcp/.metadata"  # remoe.train.dcp
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -148,7 +149,10 @@ def find_resumable(ckpt_root: Path,
     skipped: list[tuple[Path, str]] = []
     chosen, state = None, None
     for ckpt in checkpoint_dirs(ckpt_root):
-        reason = verify_manifest(ckpt)
+        # a sharded (DCP, train.fsdp) checkpoint has dcp/ instead of model.safetensors
+        sharded = (ckpt / "dcp").is_dir()
+        reason = verify_manifest(ckpt, (DCP_METADATA, STATE_FILE) if sharded else
+                                 (WEIGHTS_FILE, STATE_FILE))
         legacy = reason == f"missing {MANIFEST}"
         if reason is not None and not legacy:
             skipped.append((ckpt, reason))

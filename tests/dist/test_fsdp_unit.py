@@ -26,7 +26,10 @@ def _model(seed: int = 0):
     from remoe.model import ReMoEForCausalLM
 
     torch.manual_seed(seed)
-    return ReMoEForCausalLM(ReMoEConfig(**{**PRESETS["micro"], "vocab_size": VOCAB}))
+    # the reference expert backend (GPU's fallback) returns a constant when an expert layer
+    # gets no row: the stacked expert weights then have no gradient on that rank
+    return ReMoEForCausalLM(ReMoEConfig(**{**PRESETS["micro"], "vocab_size": VOCAB,
+                                           "expert_backend": "reference"}))
 
 
 def _batches():

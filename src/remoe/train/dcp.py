@@ -32,7 +32,7 @@ from torch import Tensor
 from remoe import rundir
 
 DCP_DIR = "dcp"
-DCP_METADATA = f"{DCP_DIR}/.metadata"
+DCP_METADATA = rundir.DCP_METADATA
 
 
 def is_sharded_checkpoint(ckpt: Path) -> bool:
