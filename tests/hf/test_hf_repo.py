@@ -77,6 +77,9 @@ def test_loads_without_remoe_with_the_same_logits(tmp_path, save_micro):
         dirs[name] = str(d)
         with torch.no_grad():
             want[name] = model(torch.tensor(IDS)).logits
+    card = (d / "README.md").read_text()  # the last one, "parts": the card names them
+    assert "q/k/v biases; RMSNorm on the query and key projections; a shared expert of " \
+        "width 48 in every MoE layer, sigmoid-gated" in card
     code = f"""
 import json, torch
 try:

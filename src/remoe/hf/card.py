@@ -100,6 +100,14 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None) -> st
         lines.append(f"- experts: E={E}, k={k}, G={G} ({E * G} experts of width "
                      f"{c.ffn_hidden_size // G} per layer, {k * G} active per token on "
                      f"average); target sparsity 1 - k/E = {c.target_sparsity:.4f}")
+    parts = [what for on, what in (
+        (getattr(c, "attention_bias", False), "q/k/v biases"),
+        (getattr(c, "qk_norm", False), "RMSNorm on the query and key projections"),
+        (getattr(c, "shared_expert_size", 0), f"a shared expert of width "
+         f"{getattr(c, 'shared_expert_size', 0)} in every MoE layer"
+         + (", sigmoid-gated" if getattr(c, "shared_expert_gate", True) else ""))) if on]
+    if parts:
+        lines.append(f"- also: {'; '.join(parts)}")
     lines += [f"- parameters: {total:,} total, {active:,} active per token", ""]
     data, train = facts.get("data") or {}, facts.get("train") or {}
     if data:
