@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from remoe.study.results import lambda_amplitude, mean_std, write_results
-from remoe.study.spec import apply_stop, load_spec
+from remoe.study.runconfig import apply_stop
+from remoe.study.spec import load_spec
 
 
 def _fake_run(runs_dir, run, val, domains, metrics=None):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.study.spec import apply_stop, auto_label, load_spec
+from remoe.study.runconfig import apply_stop
+from remoe.study.spec import auto_label, load_spec
 
 
 def test_grid_expansion_names_and_overrides(write_spec, tmp_path):

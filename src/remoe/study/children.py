@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from remoe.study.spec import load_run_config
+from remoe.study.runconfig import load_run_config
 
 #: config fields that may differ between a run's saved config and the study's without making
 #: it another experiment (threads follow --jobs; the trainer resolves the cache path)

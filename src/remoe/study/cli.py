@@ -76,7 +76,7 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
             rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
             continue
         match = flops_of.get(r.match_of) if r.match_of else None
-        from remoe.study.spec import apply_stop
+        from remoe.study.runconfig import apply_stop
 
         cost = estimate.estimate_flops(apply_stop(r, study.runs_dir, study.threads, match))
         flops_of[r.name] = cost.flops

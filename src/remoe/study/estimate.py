@@ -87,7 +87,7 @@ def _step_flops(mc, counter, tokens: int, pairs_per_tok: float) -> float:
 
 def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
     """Training FLOPs of one step at the run's sparse cost (k*G experts; no stage I)."""
-    from remoe.study.spec import load_run_config, tokens_per_step
+    from remoe.study.runconfig import load_run_config, tokens_per_step
     from remoe.train.flops import FlopCounter
 
     exp = load_run_config(config)
@@ -98,7 +98,7 @@ def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
 
 def estimate_flops(config: dict[str, dict[str, Any]]) -> RunCost:
     """Steps, tokens and FLOPs of a run from its config (its stop rule already applied)."""
-    from remoe.study.spec import load_run_config
+    from remoe.study.runconfig import load_run_config
     from remoe.train.flops import FlopCounter
 
     exp = load_run_config(config)

@@ -33,7 +33,8 @@ from remoe.errors import ConfigError
 from remoe.study.children import (atomic_write, comparable, die_with_parent, read_json,
                                   read_yaml, config_diff, default_command, eval_command,
                                   eval_done, tail)
-from remoe.study.spec import RunSpec, StudySpec, apply_stop, load_run_config
+from remoe.study.runconfig import apply_stop, load_run_config
+from remoe.study.spec import RunSpec, StudySpec
 
 STATE_FILE = "study.json"
 GRACE_S = 30.0  # Ctrl-C: seconds children get to exit before SIGKILL

@@ -1,0 +1,80 @@
+"""A study run's full training config: its name, directory, seed and threads, its stop rule
+(``steps`` / ``tokens`` / ``flops``, ``match_flops_of``), and validation through the experiment
+loader (:func:`remoe.train.config.load_config`) before anything runs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from remoe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from remoe.study.spec import RunSpec, StudySpec
+
+
+def tokens_per_step(config: dict[str, dict[str, Any]]) -> int:
+    from remoe.train.config import TrainConfig
+
+    t = {**TrainConfig().__dict__, **config.get("train", {})}
+    # the sampler draws seq_len + 1 tokens per sequence (inputs and shifted targets)
+    return (int(t["seq_len"]) + 1) * int(t["micro_batch_size"]) * int(t["grad_accum"])
+
+
+def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
+               match_flops: float | None = None) -> dict[str, dict[str, Any]]:
+    """The run's full config: name, directory, seed, threads and its stop rule.
+
+    ``steps``: ``train.max_steps``. ``tokens``: ``train.max_tokens`` and a schedule horizon
+    ``max_steps = ceil(tokens / tokens per step)``. ``flops`` / ``match_flops_of``:
+    ``train.max_flops`` and ``max_steps = ceil(flops / nominal FLOPs per step)`` (the run's
+    k-sparse cost, :func:`remoe.study.estimate.nominal_step_flops`), so that the cosine
+    schedule ends where a sparse-cost run stops; a ReLU run, denser before it settles, reaches
+    ``max_flops`` a little earlier. ``match_flops`` is the matched run's FLOPs (None before it
+    finished: a placeholder of 1 FLOP keeps the config valid for checking).
+    """
+    from remoe.study.estimate import nominal_step_flops
+
+    cfg = copy.deepcopy(run.config)
+    cfg.setdefault("run", {}).update(name=run.name, out_dir=str(out_dir), seed=run.seed)
+    if threads is not None:
+        cfg.setdefault("train", {})["num_threads"] = threads
+    stop = run.stop
+    if run.match_of is not None:
+        stop = {"flops": float(match_flops) if match_flops else 1.0}
+    if stop:
+        (k, v), = stop.items()
+        train = cfg.setdefault("train", {})
+        if k == "steps":
+            train["max_steps"] = int(v)
+        elif k == "tokens":
+            train["max_tokens"] = int(v)
+            train["max_steps"] = max(1, math.ceil(v / tokens_per_step(cfg)))
+        else:
+            train["max_flops"] = float(v)
+            train["max_steps"] = max(1, math.ceil(v / nominal_step_flops(cfg)))
+    return cfg
+
+
+def load_run_config(cfg: dict[str, dict[str, Any]]):
+    """:func:`remoe.train.config.load_config` on a sections dict (via a temporary YAML)."""
+    from remoe.train.config import load_config
+
+    with tempfile.TemporaryDirectory(prefix="remoe-study-") as d:
+        path = Path(d) / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return load_config(path)
+
+
+def validate_runs(spec: StudySpec) -> None:
+    """Every expanded run's config through the experiment loader, before anything runs."""
+    for r in spec.runs:
+        try:
+            load_run_config(apply_stop(r, Path("study-check"), None, None))
+        except ConfigError as e:
+            raise ConfigError(f"study run {r.name} (group {r.group}): {e}") from None
