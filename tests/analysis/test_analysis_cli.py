@@ -51,7 +51,7 @@ def test_parse_items():
     assert parse_items(["flips", "a", "b"], None) == (("flips",), ["a", "b"])
     assert parse_items(["stages,heatmap", "a"], None) == (("stages", "heatmap"), ["a"])
     assert parse_items(["a"], "flips")[0] == ("flips",)
-    assert len(parse_items(["a"], None)[0]) == 6
+    assert len(parse_items(["a"], None)[0]) == 7  # every analysis, gates included
     with pytest.raises(ConfigError, match="unknown analysis"):
         parse_items(["a"], "flops")
     with pytest.raises(ConfigError, match="no run"):

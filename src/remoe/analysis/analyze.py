@@ -3,7 +3,8 @@
 Log-based: ``stages`` (Fig. 4 + settling time), ``sparsity`` (Fig. 3 + Fig. 7d), ``flips``
 (Appendix A). Model-based, all from one pass of the model over evaluation tokens
 (:func:`routing_stats`, cached in ``routing_stats.npz``): ``heatmap`` (Fig. 7b/c),
-``specialization`` (Fig. 8, App. G), ``allocation`` (Fig. 6, App. H, Table 10).
+``specialization`` (Fig. 8, App. G), ``allocation`` (Fig. 6, App. H, Table 10); and ``gates``
+(gate scale and the FFN's share of the residual stream, :mod:`remoe.analysis.gates`).
 Definitions and file formats: docs/ANALYSIS.md.
 
 Parts: :mod:`remoe.analysis.common` (names, :class:`Options`, :class:`Skip`, writers),
@@ -18,8 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from remoe.analysis.common import (ANALYSES, LOG_ANALYSES, MODEL_ANALYSES, STATS_FILE, Options,
-                                   Skip, json_safe, write_csv, write_json)
+from remoe.analysis.common import (ANALYSES, HOOK_ANALYSES, LOG_ANALYSES, MODEL_ANALYSES,
+                                   STATS_FILE, Options, Skip, json_safe, write_csv, write_json)
+from remoe.analysis.gates import analyze_gates
 from remoe.analysis.log_analyses import (analyze_flips, analyze_sparsity, analyze_stages,
                                          compute_stages, flip_summary, run_flips, sparsity_skip)
 from remoe.analysis.model_analyses import (analyze_allocation, analyze_heatmap,
@@ -47,7 +49,7 @@ def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
         files[name] = [p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else None
     files["routing"] = [[s, p.stat().st_size] for s, p in run.mask_files()]
     model = None
-    if any(w in opts.what for w in MODEL_ANALYSES):
+    if any(w in opts.what for w in MODEL_ANALYSES + HOOK_ANALYSES):
         try:
             model = model_key(resolve_model_dir(opts.checkpoint or run.path))
         except ConfigError:
@@ -108,6 +110,8 @@ def analyze(run: Run, out: Path, opts: Options, log=print, reuse: bool = False) 
                 attempt("specialization", analyze_specialization, run, stats, out, opts.layers)
             if "allocation" in opts.what:
                 attempt("allocation", analyze_allocation, run, stats, names, out, opts)
+    if "gates" in opts.what:
+        attempt("gates", analyze_gates, run, out, opts, others)
     write_json(out / "analysis.json", result)
     return json_safe(result)
 

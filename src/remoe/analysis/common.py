@@ -16,7 +16,9 @@ from remoe.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 
 LOG_ANALYSES = ("stages", "sparsity", "flips")
 MODEL_ANALYSES = ("heatmap", "specialization", "allocation")
-ANALYSES = LOG_ANALYSES + MODEL_ANALYSES
+#: model-based, from a pass of their own (remoe.analysis.gates), not from routing_stats.npz
+HOOK_ANALYSES = ("gates",)
+ANALYSES = LOG_ANALYSES + MODEL_ANALYSES + HOOK_ANALYSES
 STATS_FILE = "routing_stats.npz"
 
 
