@@ -70,6 +70,22 @@ def test_from_hf_topk_gives_the_same_logits(tmp_path, family, norm):
     _cached_decoding_matches(ours, ids)
 
 
+@pytest.mark.parametrize("family, norm", [("qwen2_moe", False), ("olmoe", True)])
+def test_to_hf_writes_a_converted_qwen2_moe_or_olmoe_back(tmp_path, family, norm):
+    """from-hf --router topk, then to-hf: the same transformers family, the source's logits."""
+    src = (_qwen2_moe if family == "qwen2_moe" else _olmoe)(norm)
+    assert run_convert("from-hf", _save(src, tmp_path / "src"), tmp_path / "ours",
+                       "--router", "topk") == 0
+    assert run_convert("to-hf", tmp_path / "ours", tmp_path / "back") == 0
+    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert cfg["model_type"] == family and cfg["norm_topk_prob"] is norm
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back) is type(src)
+    _same_logits(back, src, token_ids())
+
+
 def test_from_hf_qwen2_moe_relu_keeps_experts_shared_expert_and_biases(tmp_path):
     src = _qwen2_moe(False)
     assert run_convert("from-hf", _save(src, tmp_path / "src"), tmp_path / "relu") == 0
@@ -137,10 +153,11 @@ def test_to_hf_writes_a_dense_model_as_llama_with_the_same_logits(tmp_path, rout
 
 @pytest.mark.parametrize("overrides, reason", [
     (dict(router="dense", qk_norm=True), "qk_norm=true cannot be written as Llama"),
-    (dict(router="topk", topk_normalize=True, shared_expert_size=16),
-     "shared_expert_size=16 cannot be written as Mixtral"),
+    (dict(router="relu", shared_expert_size=16), "router='relu' cannot be written as Qwen2-MoE"),
+    (dict(router="topk", qk_norm=True, shared_expert_size=16),
+     "shared_expert_size=16 cannot be written as OLMoE"),
     (dict(router="topk", topk_normalize=True, attention_bias=True),
-     "attention_bias=True cannot be written as Mixtral"),
+     "attention_bias=true cannot be written as Qwen2-MoE"),
 ])
 def test_to_hf_refuses_parts_the_target_lacks(tmp_path, capsys, overrides, reason):
     ReMoEForCausalLM(ReMoEConfig.from_preset("micro", vocab_size=64, num_experts=4,

@@ -4,8 +4,9 @@
   transformers Llama -> an E-expert ReLU ReMoE with copied experts and fresh routers;
 * ``from-hf SRC DST [--router relu|topk] [--top-k K]``: a transformers Mixtral, Qwen2-MoE or
   OLMoE -> a ReMoE with its experts kept and a router initialised from the softmax router;
-* ``to-hf SRC DST``: a TopK ReMoE (topk_normalize=true) -> a plain transformers Mixtral; a
-  dense one (router dense / dense_wide) -> a plain transformers Llama.
+* ``to-hf SRC DST``: a TopK ReMoE -> a plain transformers Mixtral (topk_normalize=true), or
+  Qwen2-MoE / OLMoE when it has their parts; a dense one (router dense / dense_wide) -> a
+  plain transformers Llama.
 
 See docs/CONVERT.md for the mappings and what is refused.
 """
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     helps = {"upcycle": "dense remoe / transformers Llama -> E-expert ReLU ReMoE (copied experts)",
              "from-hf": "transformers Mixtral / Qwen2-MoE / OLMoE -> ReMoE (experts kept, "
                         "router from the softmax one)",
-             "to-hf": "TopK ReMoE (topk_normalize=true) -> transformers Mixtral, dense ReMoE -> "
+             "to-hf": "TopK ReMoE -> transformers Mixtral / Qwen2-MoE / OLMoE, dense ReMoE -> "
                       "transformers Llama (lossless only)"}
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
