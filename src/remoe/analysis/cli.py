@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remoe.analysis.analyze import ANALYSES, Options, analyze
-from remoe.analysis.runlog import Run
+from remoe.analysis.common import ANALYSES, Options  # light: `remoe analyze --help` is fast
 from remoe.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 from remoe.errors import ConfigError
 
@@ -138,6 +137,9 @@ def options_from_args(args, what: tuple[str, ...], compare: list[str]) -> Option
 
 
 def run(args) -> int:
+    from remoe.analysis.analyze import analyze
+    from remoe.analysis.runlog import Run
+
     what, runs = parse_items(args.items, args.what)
     compare = runs[1:] + list(args.compare)
     explicit = args.what is not None or len(what) < len(ANALYSES)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remoe.analysis.analyze import ANALYSES, MODEL_ANALYSES
 from remoe.analysis.cli import add_analysis_options, options_from_args
-from remoe.analysis.report import ReportOptions, build_report
+from remoe.analysis.common import ANALYSES, MODEL_ANALYSES  # light: fast `remoe report --help`
 from remoe.errors import ConfigError
 
 
@@ -29,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from remoe.analysis.report import ReportOptions, build_report
+
     what = tuple(a for a in ANALYSES if not (args.no_model and a in MODEL_ANALYSES))
     opts = options_from_args(args, what, [])
     out = Path(args.out)
