@@ -1,7 +1,13 @@
-"""The losses of the method, in one place: the training objective and the held-out loss.
+"""The losses of the method, in one place: the training objective, what a step reports about
+its routing, and the held-out loss.
 
 ``total_loss`` is ``L = L_lm + lambda * L_reg + L_aux`` (paper eq. 10; with per-layer control
 ``(1/L) sum_l lambda_l L_reg,l``), shared by the trainer and ``remoe bench``.
+
+``step_statistics`` turns the routing counts of a step (``active_counts_LN``: tokens routed to
+each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N)`` (paper
+eq. 7), per-layer sparsity, active experts per token and dead experts; ``sparsity_of`` /
+``layer_sparsity_of`` are the same formulas on tensors (one forward's ``MoEAux``).
 
 Validation / test loss overall and per domain:
 
@@ -15,6 +21,7 @@ mean over all tokens (not the mean of the domain means).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -92,3 +99,42 @@ def total_loss(out: Any, coeff: float = 0.0, layer_coeffs: list[float] | None = 
         return out.loss + coeff * aux.reg_loss + aux.aux_loss
     lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype, device=aux.reg_losses_L.device)
     return out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss
+
+
+def sparsity_of(counts_LN: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
+    L, N = counts_LN.shape
+    if L == 0:
+        return counts_LN.new_zeros(())
+    return 1.0 - counts_LN.sum() / max(L * num_tokens * N, 1)
+
+
+def layer_sparsity_of(counts_LN: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """[L]: 1 - active pairs / (T * N) of each MoE layer (every layer sees every token)."""
+    N = counts_LN.shape[1]
+    return 1.0 - counts_LN.sum(1) / max(num_tokens * N, 1)
+
+
+@dataclass(frozen=True)
+class StepStatistics:
+    """The routing numbers of one step (or forward), as logged in ``metrics.jsonl``."""
+
+    sparsity: float  # S over all MoE layers
+    layer_sparsity: list[float]  # S of each MoE layer
+    active_k: float  # mean active experts per token and layer
+    dead_experts: list[int]  # experts of each MoE layer that received no token
+    active_pairs: float  # (token, expert) pairs routed, summed over layers
+
+
+def step_statistics(counts_LN: torch.Tensor, num_tokens: float) -> StepStatistics:
+    """The statistics of ``counts_LN`` ([L_moe, N] tokens per expert) over ``num_tokens`` tokens
+    (per layer; all zeros / empty for a model without MoE layers)."""
+    L = counts_LN.shape[0]
+    active_pairs = float(counts_LN.sum())
+    if L == 0:
+        return StepStatistics(0.0, [], 0.0, [], active_pairs)
+    return StepStatistics(sparsity=float(sparsity_of(counts_LN, num_tokens)),
+                          layer_sparsity=layer_sparsity_of(counts_LN, num_tokens).tolist(),
+                          active_k=active_pairs / (L * num_tokens),
+                          dead_experts=(counts_LN == 0).sum(1).tolist(),
+                          active_pairs=active_pairs)

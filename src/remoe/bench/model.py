@@ -27,8 +27,9 @@ from remoe.bench.layer import force_relu_density
 from remoe.config import ReMoEConfig
 from remoe.model.llama import ReMoEForCausalLM
 from remoe.model.moe import MoELayer
-from remoe.losses import total_loss
+from remoe.losses import step_statistics, total_loss
 from remoe.sparsity import LambdaController
+from remoe.train.optim import clip_gradients
 
 ROWS = ("dense", "topk", "relu")
 
@@ -76,12 +77,17 @@ def force_model_density(model: ReMoEForCausalLM, ids: torch.Tensor, density: flo
 
 def _train_step(model, opt, ids, lam: float, step: int):
     out = model(ids, labels=ids, train_step=step)
-    loss = total_loss(out, lam)
+    loss = total_loss(out, lam)  # the trainer's objective and clipping
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip_gradients(model, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return out
+
+
+def _sparsity(out) -> float:
+    """S of one forward, as the trainer computes it (:func:`remoe.losses.step_statistics`)."""
+    return step_statistics(out.aux.active_counts_LN, out.aux.num_tokens).sparsity
 
 
 def throughput(rows=ROWS, batch: int = 8, seq: int = 256, reps: int = 8, preset: str = "tiny",
@@ -105,7 +111,7 @@ def throughput(rows=ROWS, batch: int = 8, seq: int = 256, reps: int = 8, preset:
             step[r] += 1
             out = _train_step(models[r], opts[r], ids, 1e-8, step[r])
             if out.aux.num_moe_layers:
-                sparsity[r].append(float(out.aux.sparsity))
+                sparsity[r].append(_sparsity(out))
         return f
 
     def infer(r):
@@ -164,7 +170,7 @@ def stages(max_steps: int = 150, settle_margin: float = 0.02, extra_after_settle
         c0, t0 = time.process_time(), time.perf_counter()
         out = _train_step(relu, opt_r, ids, ctl.coeff, i)
         t1, c1 = time.perf_counter(), time.process_time()
-        s = float(out.aux.sparsity)
+        s = _sparsity(out)
         lam = ctl.coeff
         ctl.update(s)
         c2, t2 = time.process_time(), time.perf_counter()
@@ -214,7 +220,7 @@ def memory(batch: int = 8, seq: int = 256, preset: str = "tiny", **overrides) ->
 
             def step():
                 out = m(ids, labels=ids, train_step=0)
-                (out.loss + 1e-8 * out.aux.reg_loss).backward()
+                total_loss(out, 1e-8).backward()
 
             step()  # allocator warm-up; grads exist afterwards like in a real run
             m.zero_grad(set_to_none=True)

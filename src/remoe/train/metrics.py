@@ -1,12 +1,14 @@
-"""What a run writes as it goes: ``metrics.jsonl`` / ``eval.jsonl`` lines and the end-of-run
-summary text."""
+"""What a run writes as it goes: ``metrics.jsonl`` / ``eval.jsonl`` lines, and at its end the
+summary (``summary.json``) and its text."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from remoe import rundir
+from remoe.errors import ConfigError
 
 #: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
 #: two runs of one config (and between a run and its resume) while every other number is equal.
@@ -48,6 +50,66 @@ class MetricsWriter:
 
     def close(self) -> None:
         self.out.close()
+
+
+def open_tensorboard(run_dir: Path):
+    """A TensorBoard writer on ``run_dir/tensorboard`` (``train.tensorboard=true``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # pragma: no cover - depends on the optional extra
+        raise ConfigError("train.tensorboard=true needs the tensorboard package "
+                          "(pip install tensorboard)") from e
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def last_logged(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The ``metrics.jsonl`` record of ``step`` if it is the last one logged (else None)."""
+    path = run_dir / "metrics.jsonl"
+    logged = [rec for _, rec in (rundir.read_jsonl(path)[0] if path.exists() else [])]
+    return logged[-1] if logged and logged[-1].get("step") == step else None
+
+
+def logged_stages(run_dir: Path, target_sparsity: float):
+    """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
+    from remoe.stages import detect_stages
+
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if x.strip()]
+    if not recs:
+        return None
+    return detect_stages([r["step"] for r in recs], [r["sparsity"] for r in recs],
+                         target_sparsity, [r["lambda"] * r["reg_loss"] for r in recs],
+                         [r["lm_loss"] for r in recs])
+
+
+def run_summary(run_dir: Path, reason: str, totals: dict[str, Any], model, model_cfg,
+                final_lambda: float | None, last: dict[str, Any] | None,
+                last_eval: dict[str, Any] | None, final_dir: Path,
+                stages: bool) -> dict[str, Any]:
+    """The end-of-run summary. ``totals``: ``steps``, ``tokens``, ``flops``, ``elapsed_s``;
+    ``last``: the last step's metrics record (None: read it back from ``metrics.jsonl``);
+    ``stages``: detect the stage boundaries from ``metrics.jsonl``."""
+    if last is None:  # the loop ran no step (resume of a finished run): the logged last step
+        last = last_logged(run_dir, totals["steps"])
+    found = logged_stages(run_dir, model_cfg.target_sparsity) if stages else None
+    elapsed = totals["elapsed_s"]
+    return {
+        "run_dir": str(run_dir), "stop_reason": reason, "steps": totals["steps"],
+        "tokens": totals["tokens"], "flops": totals["flops"], "elapsed_s": elapsed,
+        "tokens_per_s": totals["tokens"] / elapsed if elapsed else None,
+        "router": model_cfg.router,
+        "params_total": model.num_parameters(),
+        "params_active": model.num_parameters(active=True),
+        "target_sparsity": model_cfg.target_sparsity if model_cfg.is_moe else None,
+        "final_lm_loss": last["lm_loss"] if last else None,
+        "final_sparsity": last["sparsity"] if last else None,
+        "final_lambda": final_lambda,
+        "stage2_start": found.stage2_start if found else None,
+        "settling_step": found.settle_step if found else None,
+        "val_loss": last_eval["val_loss"] if last_eval else None,
+        "val_domains": last_eval["domains"] if last_eval else None,
+        "final_dir": str(final_dir),
+    }
 
 
 def format_summary(s: dict[str, Any]) -> str:

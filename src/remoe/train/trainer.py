@@ -2,29 +2,30 @@
 
 One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
 
+    LR schedule (schedule.py); lambda(s) and revival from the controller (control.py)
     for each micro-batch: out = model(x, labels=x, train_step=step)
-        loss = L_lm + lambda_i * L_reg + L_aux          (lambda_i from the controller)
-        (loss / grad_accum).backward(); accumulate routing counts as tensors
-    all-reduce the step's statistics once -> S_i, per-layer sparsity, expert counts
-    clip, optimizer step, LR schedule; controller.update(S_i)  (same lambda on every rank)
-    metrics line (JSONL), progress, periodic validation / mask recording / atomic checkpoint
+        loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.losses)
+        (loss / grad_accum).backward(); add losses and routing counts (accumulate.py)
+    all-reduce the step's sums once (accumulate.py); stop on a non-finite loss (optim.py)
+    expert-parallel grads, clip, optimizer step (optim.py)
+    step_statistics(counts) -> S_i, per-layer S, active k, dead experts (remoe.losses)
+    routers' after_step, controller.update(S_i) (control.py; same lambda on every rank)
+    metrics line (metrics.py), progress (progress.py), periodic validation, mask recording
+    (masks.py) and atomic checkpoint (checkpoint.py)
 
 Batches are a pure function of (seed, step, micro-step, rank), and RNG states, optimizer,
 scheduler and controller are checkpointed, so ``resume`` continues bit-exactly on CPU.
+Distributed set-up is in distributed.py, RNG state in rng.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,25 +34,26 @@ from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
-from remoe.losses import total_loss
+from remoe.losses import step_statistics, total_loss
 from remoe.sparsity import build_controller
-from remoe.threads import ThreadTuner, usable_cores
 from remoe.train import checkpoint as ckpt_io
+from remoe.train.accumulate import StepSums
 from remoe.train.config import ExperimentConfig
+from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN/inf; the last good checkpoint is kept."""
-
-
-# ----------------------------------------------------------------------------- set-up helpers
-
-# set-up pieces live in their own modules (re-exported here for existing imports)
-from remoe.train.distributed import DistInfo, init_distributed, resolve_device  # noqa: E402,F401
-from remoe.train.metrics import MetricsWriter, format_summary  # noqa: E402,F401
-from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: E402,F401
-from remoe.train.schedule import cosine_lr  # noqa: E402,F401
+from remoe.train.masks import calibration_set, write_masks
+from remoe.train.progress import ProgressLines, open_progress, stats_text
+from remoe.train.resume import load_weights, logged_eval, start_run_dir
+from remoe.train.runtime import setup_runtime
+# the parts of the trainer, re-exported here for existing imports
+from remoe.train.distributed import DistInfo, init_distributed, resolve_device  # noqa: F401
+from remoe.train.masks import round_robin as _round_robin  # noqa: F401
+from remoe.train.metrics import (MetricsWriter, format_summary, open_tensorboard,  # noqa: F401
+                                 run_summary)
+from remoe.train.optim import (TrainingDiverged, apply_gradients, build_optimizer,  # noqa: F401
+                               check_finite_losses, clip_gradients, set_lr)
+from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: F401
+from remoe.train.schedule import cosine_lr  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -67,19 +69,9 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no "Writing model shards" bars at every checkpoint
-        self.threads = None  # train.num_threads=N: fixed; null: chosen by measurement
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
-        else:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            self.threads = ThreadTuner(usable_cores(local), probe_every=tc.thread_probe_every)
-        want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
-        self.dist = init_distributed("cuda" if want_cuda else "cpu")
-        self.device = resolve_device(tc.device, self.dist)
-        precision = tc.precision
-        if precision == "auto":
-            precision = "bf16" if self.device.type == "cuda" else "fp32"
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        rt = setup_runtime(tc)  # threads, process group, device, precision
+        self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
+        self.autocast_dtype = rt.autocast_dtype
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
         # config.yaml records where the data lives, usable from any working directory
@@ -115,6 +107,7 @@ class Trainer:
                               if isinstance(r, Router)]
         # the paper's single lambda by default; per-layer / PI / revival on request
         self.controller = build_controller(self.model_cfg, len(self.token_routers))
+        self.control = StepControl(self.controller, self.token_routers)
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -122,46 +115,29 @@ class Trainer:
         self.elapsed = 0.0
         self.best_val: float | None = None
         self.last_eval: dict[str, Any] | None = None
+        self.lines: ProgressLines | None = None  # progress lines when there is no terminal
 
         self.ckpt_root = self.run_dir / "checkpoints"
-        # the run directory defends itself (remoe.rundir): one writer, no leftovers of
-        # interrupted writes, no fresh run over an old one, only verified checkpoints resumed
+        # lock, check and (resume) pick the checkpoint; the lock is released on any failure
         self.lock: rundir.RunLock | None = None
+        self.lock, resume_from, state = start_run_dir(self.run_dir, cfg, resume,
+                                                      self.dist.is_main, self._barrier)
         try:
-            resume_from, state = None, None
-            if self.dist.is_main:
-                self.lock = rundir.RunLock.acquire(self.run_dir)
-                rundir.remove_interrupted_writes(self.run_dir)
-                if resume:
-                    resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root)
-                    if resume_from is not None:
-                        ckpt_io.check_resume_config(self.run_dir, cfg.to_dict(), cfg.to_yaml(),
-                                                    int(state["step"]))
-                else:
-                    rundir.require_fresh(self.run_dir)
-            self._barrier()
-            if resume and not self.dist.is_main:
-                resume_from, state = ckpt_io.find_resume_checkpoint(self.ckpt_root, report=False)
-            if resume and resume_from is None:
-                raise ConfigError(f"--resume: no checkpoint found under {self.ckpt_root}")
             self._saved_step = None  # the step of the newest checkpoint on disk
             if resume_from is not None:
                 self._load(resume_from, state)
                 self._saved_step = self.step
-                # a finished run's (or a run stopped after its last checkpoint) validation of
-                # this step is on disk: finishing again must not repeat it
-                evals, _ = (rundir.read_jsonl(self.run_dir / "eval.jsonl")
-                            if (self.run_dir / "eval.jsonl").exists() else ([], []))
-                done = [rec for _, rec in evals if rec.get("step") == self.step]
-                self.last_eval = done[-1] if done else None
+                self.last_eval = logged_eval(self.run_dir, self.step)  # not to be repeated
             self.wrapped = self._wrap_model()
-            self.calib = self._calibration_set()
+            self.calib = (calibration_set(self.data, tc.seq_len, cfg.analysis.calib_tokens)
+                          if cfg.analysis.record_masks_every > 0 and self.model_cfg.is_moe
+                          else None)
             if self.dist.is_main:
                 ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
                 rs = self.step if resume_from is not None else None
                 self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
                 self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
-                self.tb = self._tensorboard()
+                self.tb = open_tensorboard(self.run_dir) if tc.tensorboard else None
         except BaseException:  # a refused or failed start releases the run directory
             self.close()
             raise
@@ -172,17 +148,7 @@ class Trainer:
             dist.barrier()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        tc = self.cfg.train
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            # norms and the routers' weights (whose scale IS the routing) get no weight decay
-            (no_decay if p.ndim < 2 or ".router." in name else decay).append(p)
-        groups = [{"params": decay, "weight_decay": tc.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                                 foreach=self.device.type == "cuda")
+        return build_optimizer(self.model, self.cfg.train, foreach=self.device.type == "cuda")
 
     def _wrap_model(self):
         if not self.dist.enabled:
@@ -214,31 +180,6 @@ class Trainer:
         """Collective under EP: all experts gathered into self.model inside (save, counts)."""
         return self.ep.full_experts() if self.ep is not None else nullcontext()
 
-    def _tensorboard(self):
-        if not self.cfg.train.tensorboard:
-            return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # pragma: no cover - depends on the optional extra
-            raise ConfigError("train.tensorboard=true needs the tensorboard package "
-                              "(pip install tensorboard)") from e
-        return SummaryWriter(str(self.run_dir / "tensorboard"))
-
-    def _calibration_set(self) -> torch.Tensor | None:
-        ac = self.cfg.analysis
-        if ac.record_masks_every <= 0 or not self.model_cfg.is_moe:
-            return None
-        seq = self.cfg.train.seq_len
-        n = max(1, math.ceil(ac.calib_tokens / seq))  # sequences in the calibration set
-        per_domain = max(1, math.ceil(n / max(1, len(self.data.domains))))
-        rows = [ids[:, :seq] for ids, _ in self.data.eval_batches(
-            "validation", seq_len=seq, batch_size=n, max_chunks_per_domain=per_domain)]
-        if not rows:
-            return None
-        ids = torch.cat(rows)  # domain after domain
-        # interleave the domains so that keeping n sequences keeps every domain
-        return ids[_round_robin(ids.shape[0], per_domain)][:n]
-
     def _eval_batches(self):
         tc = self.cfg.train
         return self.data.eval_batches("validation", seq_len=tc.seq_len,
@@ -267,15 +208,7 @@ class Trainer:
         if self.ep is not None:  # checkpoints hold every expert: keep this rank's slices
             weights = self.ep.shard_state_dict(weights)
             optimizer_state = self.ep.shard_optimizer_state(optimizer_state, self.optimizer)
-        try:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        except RuntimeError as e:  # size mismatch: the model config changed
-            first = str(e).strip().splitlines()[1:2] or [str(e)[:200]]
-            raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
-                              f"({first[0].strip()})") from None
-        if unexpected or [m for m in missing if m in dict(self.model.named_parameters())]:
-            raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
-                              f"(missing={missing[:3]}, unexpected={unexpected[:3]})")
+        load_weights(self.model, weights, ckpt)
         self.optimizer.load_state_dict(optimizer_state)
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
@@ -283,20 +216,9 @@ class Trainer:
         self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
         set_rng_state(state["rng"])
 
-    def _check_ranks_agree(self) -> None:
-        """Every rank must hold the same lambda (it is updated from all-reduced statistics)."""
-        if not self.dist.enabled or self.controller is None:
-            return
-        values = self.controller.layer_coeffs or [self.controller.coeff]  # every layer's lambda
-        lam = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(lam, op=dist.ReduceOp.MAX)
-        n = len(values)
-        if not torch.equal(lam[:n], -lam[n:]):
-            raise RuntimeError(f"ranks disagree on lambda at step {self.step}: "
-                               f"max {lam[:n].tolist()} vs min {(-lam[n:]).tolist()}")
-
     def save(self) -> Path | None:
-        self._check_ranks_agree()
+        if self.dist.enabled:  # every rank must hold the same lambda
+            self.control.check_ranks_agree(self.device, self.step)
         path = None
         with self._full_experts():
             optim = None
@@ -321,124 +243,53 @@ class Trainer:
         tc = self.cfg.train
         model, step = self.wrapped, self.step
         lr = cosine_lr(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        coeff = self.controller.coeff if self.controller else 0.0
-        layer_coeffs = self.controller.layer_coeffs if self.controller else None
-        self._arm_revival()
+        set_lr(self.optimizer, lr)
+        coeff, layer_coeffs = self.control.coeffs()
+        self.control.arm_revival()
         threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
-        sums = torch.zeros(4, dtype=torch.float64)  # lm, reg, aux, tokens (per rank)
-        counts = None
-        reg_L = None  # per-layer control: sum over micro-batches of each layer's L_reg
+        sums = StepSums(per_layer=layer_coeffs is not None)
         for micro in range(tc.grad_accum):
             input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
             input_ids = input_ids.to(self.device, non_blocking=True)
             sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
             with (nullcontext() if sync else model.no_sync()), self._autocast():
                 out = model(input_ids=input_ids, labels=input_ids, train_step=step)
-                aux = out.aux
                 loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
-            sums += torch.stack([out.loss.detach().double().cpu(),
-                                 aux.reg_loss.detach().double().cpu(),
-                                 aux.aux_loss.detach().double().cpu(),
-                                 torch.tensor(float(input_ids.numel()), dtype=torch.float64)])
-            c = aux.active_counts_LN.detach().double().cpu()
-            counts = c if counts is None else counts + c
-            if layer_coeffs is not None:
-                r = aux.reg_losses_L.detach().double().cpu()
-                reg_L = r if reg_L is None else reg_L + r
-        # one reduction of everything the step reports
-        packed = torch.cat([sums, counts.flatten()] + ([reg_L] if reg_L is not None else []))
-        if self.dist.enabled:
-            packed = packed.to(self.device)
-            dist.all_reduce(packed)
-            packed = packed.cpu()
-        n_micro = tc.grad_accum * self.dist.world_size
-        lm, reg, aux_l, step_tokens = (packed[:4] / torch.tensor([n_micro, n_micro, n_micro, 1])).tolist()
-        counts_LN = packed[4:4 + counts.numel()].view_as(counts)
-        if reg_L is not None:
-            reg_L = (packed[4 + counts.numel():] / n_micro).tolist()
-        if not all(math.isfinite(v) for v in (lm, reg, aux_l)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"loss became non-finite at step {step + 1} (lm_loss={lm}, "
-                                   f"reg_loss={reg}, aux_loss={aux_l}); stopping. Last good "
-                                   f"checkpoint: {ckpt_io.latest_checkpoint(self.ckpt_root)}")
-        if self.ep is not None:
-            self.ep.finish_grads()  # expert grads: sum over ranks -> mean, as DDP does
-        grad_norm = self._clip()
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"gradient norm became non-finite at step {step + 1}; stopping. "
-                                   f"Last good checkpoint: "
-                                   f"{ckpt_io.latest_checkpoint(self.ckpt_root)}")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for router, counts_N in zip(self.token_routers, counts_LN):  # no-op but topk_auxfree
-            router.after_step(counts_N)
-
-        reg_term = (coeff * reg if reg_L is None  # lambda * L_reg as the step's loss used it
-                    else sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L))
-        L, N = counts_LN.shape
-        tokens_per_layer = step_tokens  # every layer sees every token
-        active_pairs = float(counts_LN.sum())
-        sparsity = 1.0 - active_pairs / (L * tokens_per_layer * N) if L else 0.0
-        layer_sparsity = (1.0 - counts_LN.sum(1) / (tokens_per_layer * N)).tolist() if L else []
-        if self.controller is not None:
-            self.controller.update(sparsity, layer_sparsity, counts_LN.tolist())
-        step_flops = self.flops.train_flops(int(step_tokens),
-                                            self.flops.effective_pairs(active_pairs, int(step_tokens)))
+            sums.add(out, input_ids.numel())
+        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled)
+        check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
+        grad_norm = apply_gradients(self.optimizer, self.model, tc.grad_clip, step,
+                                    self.ckpt_root, self.ep)
+        stats = step_statistics(tot.counts_LN, tot.tokens)
+        self.control.after_step(tot.counts_LN, stats)
+        step_flops = self.flops.train_flops(int(tot.tokens),
+                                            self.flops.effective_pairs(stats.active_pairs,
+                                                                       int(tot.tokens)))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if self.threads:
             self.threads.after_step(step, dt)
         self.step += 1
-        self.tokens += int(step_tokens)
+        self.tokens += int(tot.tokens)
         self.total_flops += step_flops
         self.elapsed += dt
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops, "lr": lr,
-            "loss": lm + reg_term + aux_l, "lm_loss": lm, "reg_loss": reg, "aux_loss": aux_l,
-            "lambda": coeff, "sparsity": sparsity, "layer_sparsity": layer_sparsity,
-            "expert_counts": counts_LN.tolist(), "active_k": (active_pairs / (L * step_tokens)
-                                                              if L else 0.0),
-            "step_tokens": int(step_tokens), "grad_norm": grad_norm,
-            "tokens_per_s": step_tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
+            "loss": tot.lm + self.control.reg_term(coeff, tot.reg, layer_coeffs, tot.reg_L)
+            + tot.aux,
+            "lm_loss": tot.lm, "reg_loss": tot.reg, "aux_loss": tot.aux,
+            "lambda": coeff, "sparsity": stats.sparsity, "layer_sparsity": stats.layer_sparsity,
+            "expert_counts": tot.counts_LN.tolist(), "active_k": stats.active_k,
+            "step_tokens": int(tot.tokens), "grad_norm": grad_norm,
+            "tokens_per_s": tot.tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
             # experts that received no token in this step, per MoE layer
-            "dead_experts": (counts_LN == 0).sum(1).tolist() if L else [],
-            **self._control_record(layer_coeffs, reg_L),
+            "dead_experts": stats.dead_experts,
+            **self.control.record(layer_coeffs, tot.reg_L),
         }
-
-    def _control_record(self, layer_coeffs, reg_L) -> dict[str, Any]:
-        """Metrics of the sparsity-control options (nothing for the paper's controller)."""
-        rec: dict[str, Any] = {}
-        if layer_coeffs is not None:
-            rec["lambda_layers"] = layer_coeffs  # the coefficients used in this step
-            rec["reg_loss_layers"] = reg_L
-        dead = self.controller.dead_experts() if self.controller else None
-        if dead is not None:
-            rec["reviving"] = [sum(row) for row in dead]  # experts under revival next step
-        return rec
-
-    def _arm_revival(self) -> None:
-        """Hand each ReLU router the experts whose revival hinge is on for this step."""
-        dead = self.controller.dead_experts() if self.controller else None
-        if dead is None:
-            return
-        for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
-            router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
-
-    def _clip(self) -> float:
-        clip = self.cfg.train.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.ep is not None:  # global norm: replicated grads once + every rank's experts
-            return float(self.ep.clip_grad_norm_(params, clip))
-        if clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, clip))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -465,14 +316,7 @@ class Trainer:
         if not self.dist.is_main:  # EP: every rank takes part in the forward; rank 0 writes
             self.model.train()
             return
-        masks = torch.stack([m.cpu() for m in out.aux.masks]).numpy()  # [L, T, N]
-        out_dir = self.run_dir / "routing"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"masks_{self.step:07d}.npz"
-        tmp = out_dir / f".masks_{self.step:07d}.tmp.npz"
-        np.savez_compressed(tmp, masks=np.packbits(masks, axis=-1), shape=np.array(masks.shape),
-                            token_ids=self.calib.reshape(-1).numpy(), step=np.array(self.step))
-        os.replace(tmp, path)
+        write_masks(self.run_dir, self.step, out.aux.masks, self.calib)
         self.model.train()
 
     def _log(self, rec: dict[str, Any], bar) -> None:
@@ -483,31 +327,13 @@ class Trainer:
             for k in ("loss", "lm_loss", "reg_loss", "aux_loss", "lambda", "sparsity", "lr",
                       "tokens_per_s", "grad_norm"):
                 self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
-        stats = (f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
-                 f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}")
         if bar is not None:
-            bar.set_postfix_str(f"{stats}  {rec['tokens_per_s']:,.0f} tok/s")
+            bar.set_postfix_str(f"{stats_text(rec)}  {rec['tokens_per_s']:,.0f} tok/s")
             bar.update(1)
             return
-        # no terminal (e.g. `remoe train > log 2>&1`): a line every log_every steps and at least
-        # every 30 s, with the step of the total, tokens/s since the last line and the ETA
-        now, total = time.monotonic(), self.cfg.train.max_steps
-        if getattr(self, "_progress_start", None) is None:  # (wall time, step, tokens) before it
-            step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
-            self._progress_start = self._progress_last = (now - step_s, rec["step"] - 1,
-                                                          rec["tokens"] - rec["step_tokens"])
-        every = self.cfg.train.log_every
-        if not every or not (rec["step"] % every == 0 or rec["step"] in (1, total)
-                             or now - self._progress_last[0] >= 30.0):
-            return
-        t0, _, k0 = self._progress_last
-        rate = (rec["tokens"] - k0) / max(now - t0, 1e-9)
-        ts, ss, _ = self._progress_start
-        left = (now - ts) / max(rec["step"] - ss, 1) * max(total - rec["step"], 0)
-        eta = f"{int(left // 60)}m{int(left % 60):02d}s"
-        print(f"step {rec['step']:>5}/{total} ({100 * rec['step'] / max(total, 1):3.0f}%)  "
-              f"{stats}  {rate:,.0f} tok/s  ETA {eta}", flush=True)
-        self._progress_last = (now, rec["step"], rec["tokens"])
+        if self.lines is None:
+            self.lines = ProgressLines(self.cfg.train.max_steps, self.cfg.train.log_every)
+        self.lines.update(rec)
 
     def _should_stop(self) -> str | None:
         tc = self.cfg.train
@@ -522,16 +348,8 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         tc, ac = self.cfg.train, self.cfg.analysis
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=tc.max_steps, initial=self.step, desc=self.cfg.run.name,
-                       dynamic_ncols=True)
-        elif self.dist.is_main and tc.log_every:
-            print(f"training {self.cfg.run.name}: steps {self.step + 1}-{tc.max_steps}; a line "
-                  f"every {tc.log_every} steps or 30 s (tokens/s since the previous line, ETA)",
-                  flush=True)
+        bar = open_progress(self.cfg.run.name, self.step, tc.max_steps, tc.log_every,
+                            bar=self.progress, main=self.dist.is_main)
         if self.step == 0 and ac.record_masks_every:
             self.record_masks()
         reason = self._should_stop()
@@ -560,49 +378,18 @@ class Trainer:
         summary = self._finish(reason, last_rec)
         return summary
 
-    def _stages(self):
-        """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
-        if self.controller is None or not self.dist.is_main:
-            return None
-        from remoe.stages import detect_stages
-
-        recs = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()
-                if x.strip()]
-        if not recs:
-            return None
-        return detect_stages([r["step"] for r in recs], [r["sparsity"] for r in recs],
-                             self.model_cfg.target_sparsity,
-                             [r["lambda"] * r["reg_loss"] for r in recs],
-                             [r["lm_loss"] for r in recs])
-
     def _finish(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
         with self._full_experts():  # EP: count and save all experts
             return self._finish_full(reason, last)
 
     def _finish_full(self, reason: str, last: dict[str, Any] | None) -> dict[str, Any]:
         final_dir = self.run_dir / "final"
-        if last is None:  # the loop ran no step (resume of a finished run): the logged last step
-            path = self.run_dir / "metrics.jsonl"
-            logged = [rec for _, rec in (rundir.read_jsonl(path)[0] if path.exists() else [])]
-            last = logged[-1] if logged and logged[-1].get("step") == self.step else None
-        stages = self._stages()
-        summary: dict[str, Any] = {
-            "run_dir": str(self.run_dir), "stop_reason": reason, "steps": self.step,
-            "tokens": self.tokens, "flops": self.total_flops, "elapsed_s": self.elapsed,
-            "tokens_per_s": self.tokens / self.elapsed if self.elapsed else None,
-            "router": self.model_cfg.router,
-            "params_total": self.model.num_parameters(),
-            "params_active": self.model.num_parameters(active=True),
-            "target_sparsity": self.model_cfg.target_sparsity if self.model_cfg.is_moe else None,
-            "final_lm_loss": last["lm_loss"] if last else None,
-            "final_sparsity": last["sparsity"] if last else None,
-            "final_lambda": self.controller.coeff if self.controller else None,
-            "stage2_start": stages.stage2_start if stages else None,
-            "settling_step": stages.settle_step if stages else None,
-            "val_loss": self.last_eval["val_loss"] if self.last_eval else None,
-            "val_domains": self.last_eval["domains"] if self.last_eval else None,
-            "final_dir": str(final_dir),
-        }
+        totals = {"steps": self.step, "tokens": self.tokens, "flops": self.total_flops,
+                  "elapsed_s": self.elapsed}
+        summary = run_summary(self.run_dir, reason, totals, self.model, self.model_cfg,
+                              self.controller.coeff if self.controller else None, last,
+                              self.last_eval, final_dir,
+                              stages=self.controller is not None and self.dist.is_main)
         if self.dist.is_main:
             ckpt_io.write_model_dir(final_dir, self.model,
                                     getattr(self.data, "tokenizer_path", None))
@@ -621,14 +408,6 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-
-def _round_robin(total: int, per_group: int) -> torch.Tensor:
-    """Indices visiting consecutive groups of ``per_group`` rows in turn (one row each)."""
-    idx = torch.arange(total)
-    groups = (total + per_group - 1) // per_group
-    key = (idx % per_group) * groups + idx // per_group
-    return idx[key.argsort()]
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -1,0 +1,77 @@
+"""The sparsity-control side of a training step (the trainer's view of remoe.sparsity).
+
+Before the step: the lambda(s) its loss uses and the experts whose revival hinge is on. After
+the optimizer update: each token router's ``after_step`` (the aux-loss-free bias update) and the
+controller's update from the step's statistics, reduced over all ranks, so that every rank
+holds the same lambda (checked at each checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from remoe.losses import StepStatistics
+
+
+class StepControl:
+    """``controller``: a :class:`remoe.sparsity.SparsityControl` or None (no adaptive lambda);
+    ``token_routers``: the token router of every MoE layer, in the order of the counts' rows."""
+
+    def __init__(self, controller, token_routers: list) -> None:
+        self.controller = controller
+        self.token_routers = token_routers
+
+    def coeffs(self) -> tuple[float, list[float] | None]:
+        """(lambda, per-layer lambdas or None) for this step's loss."""
+        if self.controller is None:
+            return 0.0, None
+        return self.controller.coeff, self.controller.layer_coeffs
+
+    def arm_revival(self) -> None:
+        """Hand each ReLU router the experts whose revival hinge is on for this step."""
+        dead = self.controller.dead_experts() if self.controller else None
+        if dead is None:
+            return
+        for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
+            router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
+
+    def after_step(self, counts_LN: torch.Tensor, stats: StepStatistics) -> None:
+        """After the optimizer update: the routers' own update, then the controller's."""
+        for router, counts_N in zip(self.token_routers, counts_LN):  # no-op but topk_auxfree
+            router.after_step(counts_N)
+        if self.controller is not None:
+            self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist())
+
+    @staticmethod
+    def reg_term(coeff: float, reg: float, layer_coeffs: list[float] | None,
+                 reg_L: list[float] | None) -> float:
+        """lambda * L_reg as the step's loss used it (per-layer: the mean of lambda_l L_reg,l)."""
+        if reg_L is None:
+            return coeff * reg
+        return sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L)
+
+    def record(self, layer_coeffs: list[float] | None, reg_L: list[float] | None) -> dict[str, Any]:
+        """Metrics of the sparsity-control options (nothing for the paper's controller)."""
+        rec: dict[str, Any] = {}
+        if layer_coeffs is not None:
+            rec["lambda_layers"] = layer_coeffs  # the coefficients used in this step
+            rec["reg_loss_layers"] = reg_L
+        dead = self.controller.dead_experts() if self.controller else None
+        if dead is not None:
+            rec["reviving"] = [sum(row) for row in dead]  # experts under revival next step
+        return rec
+
+    def check_ranks_agree(self, device: torch.device, step: int) -> None:
+        """Every rank must hold the same lambda (call on every rank of a distributed run)."""
+        if self.controller is None:
+            return
+        values = self.controller.layer_coeffs or [self.controller.coeff]  # every layer's lambda
+        lam = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=device)
+        dist.all_reduce(lam, op=dist.ReduceOp.MAX)
+        n = len(values)
+        if not torch.equal(lam[:n], -lam[n:]):
+            raise RuntimeError(f"ranks disagree on lambda at step {step}: "
+                               f"max {lam[:n].tolist()} vs min {(-lam[n:]).tolist()}")

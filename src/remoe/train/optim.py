@@ -1,0 +1,72 @@
+"""The optimizer side of a step: AdamW's parameter groups, the learning rate, gradient clipping,
+the update, and stopping when the loss or the gradient norm becomes non-finite."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from remoe.train import checkpoint as ckpt_io
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+
+def build_optimizer(model: torch.nn.Module, tc, foreach: bool) -> torch.optim.Optimizer:
+    """AdamW with ``tc``'s (``train.*``) hyper-parameters; norms and the routers' weights (whose
+    scale IS the routing) get no weight decay."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or ".router." in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                             foreach=foreach)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_gradients(model: torch.nn.Module, clip: float, ep=None) -> float:
+    """The global gradient norm before clipping to ``clip`` (no clipping when ``clip <= 0``);
+    under expert parallelism the norm covers the replicated grads once and every rank's experts."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if ep is not None:
+        return float(ep.clip_grad_norm_(params, clip))
+    if clip > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+
+def _diverged(optimizer: torch.optim.Optimizer, what: str, ckpt_root: Path) -> TrainingDiverged:
+    optimizer.zero_grad(set_to_none=True)
+    return TrainingDiverged(f"{what}; stopping. Last good checkpoint: "
+                            f"{ckpt_io.latest_checkpoint(ckpt_root)}")
+
+
+def check_finite_losses(optimizer: torch.optim.Optimizer, step: int, lm: float, reg: float,
+                        aux: float, ckpt_root: Path) -> None:
+    """Raise :class:`TrainingDiverged` (dropping the step's gradients) on a non-finite loss."""
+    if not all(math.isfinite(v) for v in (lm, reg, aux)):
+        raise _diverged(optimizer, f"loss became non-finite at step {step + 1} (lm_loss={lm}, "
+                                   f"reg_loss={reg}, aux_loss={aux})", ckpt_root)
+
+
+def apply_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module, clip: float,
+                    step: int, ckpt_root: Path, ep=None) -> float:
+    """Finish the expert-parallel gradients, clip, update, zero; returns the gradient norm."""
+    if ep is not None:
+        ep.finish_grads()  # expert grads: sum over ranks -> mean, as DDP does
+    grad_norm = clip_gradients(model, clip, ep)
+    if not math.isfinite(grad_norm):
+        raise _diverged(optimizer, f"gradient norm became non-finite at step {step + 1}", ckpt_root)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

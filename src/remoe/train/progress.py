@@ -1,0 +1,54 @@
+"""What a run shows while it trains: a tqdm bar on a terminal, otherwise a progress line every
+``train.log_every`` steps and at least every 30 s (step of the total, tokens/s since the previous
+line, ETA)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def stats_text(rec: dict[str, Any]) -> str:
+    return (f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
+            f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}")
+
+
+def open_progress(name: str, start_step: int, total: int, log_every: int, bar: bool,
+                  main: bool):
+    """The tqdm bar (``bar``: a terminal on the main rank), else None after announcing the lines."""
+    if bar:
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start_step, desc=name, dynamic_ncols=True)
+    if main and log_every:
+        print(f"training {name}: steps {start_step + 1}-{total}; a line every {log_every} steps "
+              f"or 30 s (tokens/s since the previous line, ETA)", flush=True)
+    return None
+
+
+class ProgressLines:
+    """The progress lines of a run without a terminal (e.g. ``remoe train > log 2>&1``)."""
+
+    def __init__(self, total: int, every: int) -> None:
+        self.total, self.every = total, every
+        self.start: tuple[float, int, int] | None = None  # (wall time, step, tokens) before it
+        self.last: tuple[float, int, int] | None = None
+
+    def update(self, rec: dict[str, Any]) -> None:
+        now, total = time.monotonic(), self.total
+        if self.start is None:
+            step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
+            self.start = self.last = (now - step_s, rec["step"] - 1,
+                                      rec["tokens"] - rec["step_tokens"])
+        every = self.every
+        if not every or not (rec["step"] % every == 0 or rec["step"] in (1, total)
+                             or now - self.last[0] >= 30.0):
+            return
+        t0, _, k0 = self.last
+        rate = (rec["tokens"] - k0) / max(now - t0, 1e-9)
+        ts, ss, _ = self.start
+        left = (now - ts) / max(rec["step"] - ss, 1) * max(total - rec["step"], 0)
+        eta = f"{int(left // 60)}m{int(left % 60):02d}s"
+        print(f"step {rec['step']:>5}/{total} ({100 * rec['step'] / max(total, 1):3.0f}%)  "
+              f"{stats_text(rec)}  {rate:,.0f} tok/s  ETA {eta}", flush=True)
+        self.last = (now, rec["step"], rec["tokens"])

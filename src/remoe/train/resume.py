@@ -1,0 +1,71 @@
+"""Starting a run in its directory: fresh or resumed.
+
+The run directory defends itself (:mod:`remoe.rundir`): one writer (a lock), no leftovers of
+interrupted writes, no fresh run over an old one, and only verified checkpoints resumed, with a
+config that may differ from the checkpointed one only where that is safe. Loading a checkpoint's
+weights refuses a model config that does not match them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from remoe import rundir
+from remoe.errors import ConfigError
+from remoe.train import checkpoint as ckpt_io
+
+
+def start_run_dir(run_dir: Path, cfg, resume: bool, is_main: bool, barrier: Callable[[], None]
+                  ) -> tuple[rundir.RunLock | None, Path | None, dict[str, Any] | None]:
+    """Lock ``run_dir`` (main rank), check it, and find the checkpoint to resume (every rank).
+
+    Returns ``(lock, checkpoint or None, its trainer state or None)``; on failure the lock is
+    released before raising."""
+    ckpt_root = run_dir / "checkpoints"
+    lock, resume_from, state = None, None, None
+    try:
+        if is_main:
+            lock = rundir.RunLock.acquire(run_dir)
+            rundir.remove_interrupted_writes(run_dir)
+            if resume:
+                resume_from, state = ckpt_io.find_resume_checkpoint(ckpt_root)
+                if resume_from is not None:
+                    ckpt_io.check_resume_config(run_dir, cfg.to_dict(), cfg.to_yaml(),
+                                                int(state["step"]))
+            else:
+                rundir.require_fresh(run_dir)
+        barrier()
+        if resume and not is_main:
+            resume_from, state = ckpt_io.find_resume_checkpoint(ckpt_root, report=False)
+        if resume and resume_from is None:
+            raise ConfigError(f"--resume: no checkpoint found under {ckpt_root}")
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, resume_from, state
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """``model.load_state_dict(weights)``, refusing (ConfigError) weights of another config."""
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # size mismatch: the model config changed
+        first = str(e).strip().splitlines()[1:2] or [str(e)[:200]]
+        raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
+                          f"({first[0].strip()})") from None
+    if unexpected or [m for m in missing if m in dict(model.named_parameters())]:
+        raise ConfigError(f"--resume: checkpoint {ckpt} does not match the model config "
+                          f"(missing={missing[:3]}, unexpected={unexpected[:3]})")
+
+
+def logged_eval(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The last ``eval.jsonl`` record of ``step`` (a finished run's, or a run stopped after its
+    last checkpoint, validation is on disk: finishing again must not repeat it)."""
+    path = run_dir / "eval.jsonl"
+    evals, _ = rundir.read_jsonl(path) if path.exists() else ([], [])
+    done = [rec for _, rec in evals if rec.get("step") == step]
+    return done[-1] if done else None
