@@ -35,16 +35,14 @@ RUNTIME_MODEL_FIELDS = ("expert_backend", "recompute_experts")
 
 
 def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None,
-                    state: dict[str, Any] | None = None,
-                    state_dict: dict[str, Any] | None = None) -> Path:
+                    state: dict[str, Any] | None = None) -> Path:
     """Write a complete HF model directory (+ trainer state, + checksums.json) atomically to
     ``final``; a failure (a full disk included) leaves nothing half-written.
 
     The directory is a shareable Hugging Face repository: weights, ``config.json`` with
     ``auto_map`` and the model's code (:mod:`remoe.hf.bundle`), the tokenizer files
     (``AutoTokenizer``, pad = eos, left padding), ``generation_config.json`` and a model card
-    ``README.md`` with the run's numbers at this step (:mod:`remoe.hf.card`). ``state_dict``:
-    the full weights to write instead of the model's own (a sharded model's, gathered)."""
+    ``README.md`` with the run's numbers at this step (:mod:`remoe.hf.card`)."""
     from remoe.data.tokenizer import write_hf_tokenizer_files
     from remoe.hf.card import find_run_dir, write_card
 
@@ -53,7 +51,7 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
         shutil.rmtree(tmp)
     with rundir.writing(final, cleanup=tmp):
         m = unwrap(model)
-        m.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        m.save_pretrained(tmp, safe_serialization=True)
         if tokenizer_path:
             write_hf_tokenizer_files(tokenizer_path, tmp, m.config.max_position_embeddings)
         write_card(tmp, m, find_run_dir(final), step=(state or {}).get("step"))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from remoe import rundir
+from remoe.errors import ConfigError
 
 DCP_DIR = "dcp"
 DCP_METADATA = rundir.DCP_METADATA
@@ -37,6 +38,16 @@ DCP_METADATA = rundir.DCP_METADATA
 
 def is_sharded_checkpoint(ckpt: Path) -> bool:
     return (Path(ckpt) / DCP_DIR).is_dir()
+
+
+def check_checkpoint_kind(ckpt: Path, fsdp: bool) -> None:
+    """Refuse (one line) to resume a sharded checkpoint without FSDP, or a full one with it."""
+    if is_sharded_checkpoint(ckpt) and not fsdp:
+        raise ConfigError(f"--resume: {Path(ckpt).name} is a sharded checkpoint (written with "
+                          "train.fsdp=true); resume it with --set train.fsdp=true")
+    if fsdp and not is_sharded_checkpoint(ckpt):
+        raise ConfigError(f"--resume: train.fsdp=true resumes sharded checkpoints only; "
+                          f"{Path(ckpt).name} is a full one (resume it with train.fsdp=false)")
 
 
 def _barrier() -> None:

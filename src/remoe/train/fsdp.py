@@ -56,6 +56,7 @@ class ShardedModel:
     def __init__(self, model: nn.Module, device: torch.device, ep=None,
                  bf16: bool = False) -> None:
         self.model, self.device, self.ep = model, device, ep
+        self.model_cls = type(model)  # fully_shard swaps the class for an FSDP subclass
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.sharded = self.world_size > 1
         self.mesh = None
@@ -77,13 +78,20 @@ class ShardedModel:
         fully_shard(model, mesh=self.mesh, mp_policy=mp, ignored_params=ignored)
 
     # -- gradients ------------------------------------------------------------------------
+    # (the trainer's gradient hooks of remoe.train.optim: finish_grads, clip_grad_norm_)
+    def finish_grads(self) -> None:
+        """FSDP averaged the sharded gradients in its reduce-scatter; average the experts'."""
+        if self.ep is not None:
+            self.ep.finish_grads()
+
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """The global L2 norm of all gradients (sharded ones + every rank's experts), clipped
-        to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` clips (``max_norm`` 0: no clip)."""
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float) -> float:
+        """The global L2 norm of the gradients of ``params`` (sharded ones + every rank's
+        experts), clipped to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` clips
+        (``max_norm`` 0: no clipping)."""
         from torch.distributed.tensor import DTensor
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         sharded = [g for g in grads if isinstance(g, DTensor)]
         local = [g for g in grads if not isinstance(g, DTensor)]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -123,6 +131,18 @@ class ShardedModel:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
         return sd if dist.get_rank() == 0 else {}
+
+    def consolidated_model(self) -> nn.Module | None:
+        """Collective: on rank 0 a plain (unsharded, CPU) copy of the model holding the full
+        weights, e.g. for ``save_pretrained`` (None on the other ranks). Built on the meta
+        device (no initialisation, no random numbers drawn), then given the gathered tensors."""
+        sd = self.full_state_dict()
+        if self.sharded and dist.get_rank() != 0:
+            return None
+        with torch.device("meta"):
+            plain = self.model_cls(self.model.config)
+        plain.load_state_dict(sd, assign=True)
+        return plain
 
 
 def shard_model(model: nn.Module, device: torch.device, ep=None,

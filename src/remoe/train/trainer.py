@@ -38,7 +38,9 @@ from remoe.losses import step_statistics, total_loss
 from remoe.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.accumulate import StepSums
+from remoe.train import dcp
 from remoe.train.config import ExperimentConfig
+from remoe.train.fsdp import shard_model
 from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
 from remoe.train.masks import calibration_set, write_masks
@@ -101,6 +103,9 @@ class Trainer:
                               f"tokenizer's vocabulary ({data.vocab_size})")
         self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         self.ep = self._setup_expert_parallel()  # None unless expert parallel under torchrun
+        # train.fsdp: FSDP2 over the blocks and the root (remoe.train.fsdp; None otherwise)
+        self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
+                     if tc.fsdp else None)
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
         # the token router of every MoE layer, in the order of the rows of the expert counts
         self.token_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
@@ -151,7 +156,7 @@ class Trainer:
         return build_optimizer(self.model, self.cfg.train, foreach=self.device.type == "cuda")
 
     def _wrap_model(self):
-        if not self.dist.enabled:
+        if not self.dist.enabled or self.fsdp is not None:
             return self.model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -199,10 +204,22 @@ class Trainer:
         }
 
     def _load(self, ckpt: Path, state: dict[str, Any] | None = None) -> None:
-        from safetensors.torch import load_file
-
         if state is None:
             state = ckpt_io.load_trainer_state(ckpt)
+        dcp.check_checkpoint_kind(ckpt, self.fsdp is not None)
+        if self.fsdp is not None:  # sharded: every rank reads its shards (any world size)
+            dcp.load_sharded(ckpt, self.model, self.optimizer, self.ep)
+        else:
+            self._load_full(ckpt, state)
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
+        set_rng_state(state["rng"])
+
+    def _load_full(self, ckpt: Path, state: dict[str, Any]) -> None:
+        from safetensors.torch import load_file
+
         weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
         optimizer_state = state["optimizer"]
         if self.ep is not None:  # checkpoints hold every expert: keep this rank's slices
@@ -210,15 +227,15 @@ class Trainer:
             optimizer_state = self.ep.shard_optimizer_state(optimizer_state, self.optimizer)
         load_weights(self.model, weights, ckpt)
         self.optimizer.load_state_dict(optimizer_state)
-        if self.controller is not None and state["controller"] is not None:
-            self.controller.load_state_dict(state["controller"])
-        self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
-        set_rng_state(state["rng"])
 
     def save(self) -> Path | None:
         if self.dist.enabled:  # every rank must hold the same lambda
             self.control.check_ranks_agree(self.device, self.step)
+        if self.fsdp is not None:  # sharded (remoe.train.dcp): every rank writes its shards
+            path = dcp.save_sharded(self.ckpt_root, self.step, self.model, self.optimizer,
+                                    self._state({}), self.cfg.train.keep_last, self.ep)
+            self._saved_step = self.step
+            return path if self.dist.is_main else None
         path = None
         with self._full_experts():
             optim = None
@@ -262,7 +279,7 @@ class Trainer:
         tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
         grad_norm = apply_gradients(self.optimizer, self.model, tc.grad_clip, step,
-                                    self.ckpt_root, self.ep)
+                                    self.ckpt_root, self.fsdp or self.ep)
         stats = step_statistics(tot.counts_LN, tot.tokens)
         self.control.after_step(tot.counts_LN, stats)
         step_flops = self.flops.train_flops(int(tot.tokens),
@@ -309,7 +326,8 @@ class Trainer:
 
     @torch.no_grad()
     def record_masks(self) -> None:
-        if self.calib is None or not (self.dist.is_main or self.ep is not None):
+        if self.calib is None or not (self.dist.is_main or self.ep is not None
+                                      or self.fsdp is not None):  # collective forwards
             return
         self.model.eval()
         out = self.model(input_ids=self.calib.to(self.device), record_masks=True)
@@ -390,8 +408,10 @@ class Trainer:
                               self.controller.coeff if self.controller else None, last,
                               self.last_eval, final_dir,
                               stages=self.controller is not None and self.dist.is_main)
+        # FSDP: the full weights gathered (collective) into a plain copy on rank 0
+        to_write = self.fsdp.consolidated_model() if self.fsdp is not None else self.model
         if self.dist.is_main:
-            ckpt_io.write_model_dir(final_dir, self.model,
+            ckpt_io.write_model_dir(final_dir, to_write,
                                     getattr(self.data, "tokenizer_path", None))
             ckpt_io.atomic_write_text(self.run_dir / "summary.json",
                                       rundir.dumps_json(summary, indent=2))
