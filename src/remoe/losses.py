@@ -6,8 +6,8 @@ its routing, and the held-out loss.
 
 ``step_statistics`` turns the routing counts of a step (``active_counts_LN``: tokens routed to
 each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N)`` (paper
-eq. 7), per-layer sparsity, active experts per token and dead experts; ``sparsity_of`` /
-``layer_sparsity_of`` are the same formulas on tensors (one forward's ``MoEAux``).
+eq. 7), per-layer sparsity, active experts per token and dead experts, with the formulas of
+one forward's ``MoEAux`` (``remoe.model.llama.sparsity_of`` / ``layer_sparsity_of``).
 
 Validation / test loss overall and per domain:
 
@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
+
+from remoe.model.llama import layer_sparsity_of, sparsity_of
 
 
 def _ppl(loss: float) -> float:
@@ -99,20 +101,6 @@ def total_loss(out: Any, coeff: float = 0.0, layer_coeffs: list[float] | None = 
         return out.loss + coeff * aux.reg_loss + aux.aux_loss
     lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype, device=aux.reg_losses_L.device)
     return out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss
-
-
-def sparsity_of(counts_LN: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
-    L, N = counts_LN.shape
-    if L == 0:
-        return counts_LN.new_zeros(())
-    return 1.0 - counts_LN.sum() / max(L * num_tokens * N, 1)
-
-
-def layer_sparsity_of(counts_LN: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    """[L]: 1 - active pairs / (T * N) of each MoE layer (every layer sees every token)."""
-    N = counts_LN.shape[1]
-    return 1.0 - counts_LN.sum(1) / max(num_tokens * N, 1)
 
 
 @dataclass(frozen=True)

@@ -44,16 +44,27 @@ class MoEAux:
     @property
     def layer_sparsity(self) -> Tensor:
         """[L_moe]: 1 - active pairs / (T * N) per layer."""
-        L, N = self.active_counts_LN.shape
-        return 1.0 - self.active_counts_LN.sum(1) / max(self.num_tokens * N, 1)
+        return layer_sparsity_of(self.active_counts_LN, self.num_tokens)
 
     @property
     def sparsity(self) -> Tensor:
         """S: 1 - active pairs / (L * T * N) (paper eq. 7); 0 for a model without MoE layers."""
-        L, N = self.active_counts_LN.shape
-        if L == 0:
-            return self.active_counts_LN.new_zeros(())
-        return 1.0 - self.active_counts_LN.sum() / max(L * self.num_tokens * N, 1)
+        return sparsity_of(self.active_counts_LN, self.num_tokens)
+
+
+# the one definition of the sparsity (also of a training step's, remoe.losses.step_statistics)
+def sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
+    """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
+    L, N = counts_LN.shape
+    if L == 0:
+        return counts_LN.new_zeros(())
+    return 1.0 - counts_LN.sum() / max(L * num_tokens * N, 1)
+
+
+def layer_sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
+    """[L]: 1 - active pairs / (T * N) of each MoE layer (every layer sees every token)."""
+    N = counts_LN.shape[1]
+    return 1.0 - counts_LN.sum(1) / max(num_tokens * N, 1)
 
 
 @dataclass
