@@ -52,3 +52,21 @@ def test_stage1_rows_build_dense_wide_and_all_active():
     r = mods["relu_stage1"].router(x.reshape(-1, 16), ctx)
     assert bool(r.mask_TN.all())  # stage I: every expert active for every token
     assert layer.dense_width(case, "dense_wide") == 128 and layer.dense_width(case, "relu") is None
+
+
+def test_slow_guard_counts_work_not_waiting():
+    import time
+
+    def waits():  # a long wall time with no work: a loaded machine, not a slow row
+        time.sleep(0.05)
+
+    s = common.time_interleaved({"w": waits}, reps=3, warmup=1, slow_s=0.02)["w"]
+    assert len(s.wall_s) == 3  # every round sampled
+
+    def works():
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.03:
+            pass
+
+    s = common.time_interleaved({"b": works}, reps=3, warmup=1, slow_s=0.02)["b"]
+    assert len(s.wall_s) == 1  # really slow: first round only

@@ -50,15 +50,17 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
 
     Each sample is one call. A callable whose warm-up call took longer than ``slow_s`` seconds
     is sampled in the first round only (it is far off the others; more rounds would only burn
-    minutes): its median is then a single measurement.
+    minutes): its median is then a single measurement. "Took" is the smaller of its wall and
+    process CPU time: on a loaded machine wall time is several times the work, and with several
+    threads CPU time counts spinning workers.
     """
     names = list(fns)
     first = {}
     for i in range(warmup):
         for n in names:
-            w0 = time.perf_counter()
+            c0, w0 = time.process_time(), time.perf_counter()
             fns[n]()
-            first.setdefault(n, time.perf_counter() - w0)
+            first.setdefault(n, min(time.perf_counter() - w0, time.process_time() - c0))
     out = {n: Samples() for n in names}
     for r in range(reps):
         order = names[r % len(names):] + names[:r % len(names)]

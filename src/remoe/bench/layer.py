@@ -264,7 +264,7 @@ def measure_row(case: LayerCase, row: str, reps: int, memory: bool = True,
     if isinstance(mod, MoELayer):
         out.update(_routing_stats(mod, x, ctx))
     out["peak_mem_mb"] = None
-    if memory and s.wall < slow_s:  # the profiler pass would repeat a minutes-long call
+    if memory and min(s.wall, s.cpu) < slow_s:  # the profiler pass would repeat a long call
         out["peak_mem_mb"] = peak_tensor_memory(fn) / 2**20
     return out
 
@@ -292,9 +292,9 @@ def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS
     uses a fresh process per measurement, because rows that allocate gigabytes per step (the
     unfused path, transformers' blocks at G=64) leave the allocator in a state that slowed the
     *dense* row 2x when all rows shared a process. A row whose first round is slower than
-    ``slow_s`` runs that round only. Per row: the median over rounds of each round's median,
-    the per-round values, and their spread; ratios to dense are the median of per-round ratios.
-    Peak memory is measured in the first round. ``mfu``: model FLOPs per second over
+    ``slow_s`` (the smaller of wall and CPU time) runs that round only. Per row: the median
+    over rounds of each round's median, the per-round values, and their spread; ratios to
+    dense are the median of per-round ratios. Peak memory is measured in the first round. ``mfu``: model FLOPs per second over
     ``ceiling_gflops``, per wall second or, with ``use_cpu``, per CPU second (then
     ``ceiling_gflops`` must be the per-CPU-second ceiling)."""
     rows = list(rows)
@@ -302,7 +302,8 @@ def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS
     for r in range(rounds):
         order = rows[r % len(rows):] + rows[:r % len(rows)]
         for name in order:
-            if r > 0 and per[name] and per[name][0]["wall_s"] >= slow_s:
+            first = per[name][0] if per[name] else None
+            if r > 0 and first and min(first["wall_s"], first["cpu_s"]) >= slow_s:
                 continue
             m = runner(measure_row, case, name, reps, memory and r == 0, slow_s)
             per[name].append(m)
