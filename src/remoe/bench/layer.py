@@ -322,8 +322,8 @@ def run_case(case: LayerCase, reps: int, ceiling_gflops: float | None, rows=ROWS
                **{k: v for k, v in first.items()
                   if k not in ("wall_s", "cpu_s", "others_busy_cores", "loadavg")},
                "wall_ms": 1e3 * wall_s, "cpu_ms": 1e3 * cpu_s, "rounds": len(ms),
-               "wall_ms_rounds": [round(1e3 * v, 3) for v in wall_r],
-               "cpu_ms_rounds": [round(1e3 * v, 3) for v in cpu_r],
+               "wall_ms_rounds": [round(1e3 * v, 6) for v in wall_r],
+               "cpu_ms_rounds": [round(1e3 * v, 6) for v in cpu_r],
                "wall_ms_samples": [v for m in ms for v in m["wall_ms_samples"]],
                "cpu_spread": spread([1e3 * v for v in cpu_r]),
                "others_busy_cores": [m["others_busy_cores"] for m in ms],
