@@ -250,12 +250,8 @@ def test_stages_reports_the_last_excursion(tmp_path, synth, capsys):
     out = capsys.readouterr().out
     assert "stage III from 91" in out and "last at steps 80-90" in out
     # the trainer's end-of-run summary uses the same detection (same defaults)
-    from types import SimpleNamespace
+    from remoe.train.metrics import logged_stages
 
-    from remoe.train.trainer import Trainer
-
-    fake = SimpleNamespace(controller=object(), dist=SimpleNamespace(is_main=True), run_dir=run,
-                           model_cfg=SimpleNamespace(target_sparsity=synth.TARGET))
     assert cli("analyze", ["stages", str(run)]) == 0  # the defaults, as the trainer
     st = json.loads((run / "analysis" / "stages.json").read_text())
-    assert Trainer._stages(fake).settle_step == st["settle_step"] > 90
+    assert logged_stages(run, synth.TARGET).settle_step == st["settle_step"] > 90
