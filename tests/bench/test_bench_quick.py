@@ -18,6 +18,9 @@ def test_quick_all_suites_write_expected_json(tmp_path, capfd):
     for key in ("cpu_model", "cores_logical", "torch", "threads", "transformers", "allocator"):
         assert key in m
     assert m["threads"] == 1
+    # the load beside the run is recorded (issue 16)
+    assert isinstance(m["busy_processes_start"], list) and isinstance(m["busy_processes_end"], list)
+    assert res["layer_method"]["rounds"] == 1 and res["layer_method"]["reps"] == 2
     assert res["machine_ceiling"]["matmul_fp32_gflops"] > 0
 
     rows = res["layer"]["rows"]
@@ -28,6 +31,7 @@ def test_quick_all_suites_write_expected_json(tmp_path, capfd):
                     "peak_mem_mb"):
             assert key in r, key
         assert r["wall_ms"] > 0 and r["peak_mem_mb"] > 0
+        assert r["rounds"] == 1 and len(r["cpu_ms_rounds"]) == 1 and len(r["loadavg"]) == 1
     relu = [r for r in rows if r["row"] == "relu"]
     # the forced steady state: sparsity exactly 1 - k/E, every expert T k / E tokens
     for r in relu:
