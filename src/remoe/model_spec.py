@@ -34,7 +34,7 @@ ROUTERS = tuple(registry.BUILTINS)
 REG_TYPES = ("lb", "l1")
 SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
 LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
-EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
+EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference", "measured")
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 #: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section
 TOKEN_IDS = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0}

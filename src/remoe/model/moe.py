@@ -48,7 +48,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3  # topk_auxfree: expert-bias step per optimizer step
     blockffn_locality_coeff: float = 2e-3  # blockffn: weight of the activation-locality loss
     blockffn_chunk_len: int = 64  # blockffn: tokens per chunk of the chunk-sparsification loss
-    expert_backend: str = "auto"  # auto | grouped_mm | reference
+    expert_backend: str = "auto"  # auto | fused | grouped_mm | reference | measured (opt-in)
     recompute_experts: bool = False
     init_std: float = 0.02
     shared_expert_size: int = 0  # S > 0: a shared SwiGLU for every token (model.shared_expert)

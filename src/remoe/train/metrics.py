@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from remoe import rundir
+import torch
+
+from remoe import perf, rundir
 from remoe.errors import ConfigError
 
 #: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
@@ -93,7 +95,11 @@ def run_summary(run_dir: Path, reason: str, totals: dict[str, Any], model, model
         last = last_logged(run_dir, totals["steps"])
     found = logged_stages(run_dir, model_cfg.target_sparsity) if stages else None
     elapsed = totals["elapsed_s"]
+    ceiling = perf.quick_ceiling_gflops()  # MFU against this machine's measured matmul rate
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return {
+        "matmul_ceiling_gflops": ceiling,
+        "mfu": perf.mfu(totals["flops"], elapsed, ceiling, world),
         "run_dir": str(run_dir), "stop_reason": reason, "steps": totals["steps"],
         "tokens": totals["tokens"], "flops": totals["flops"], "elapsed_s": elapsed,
         "tokens_per_s": totals["tokens"] / elapsed if elapsed else None,
@@ -122,6 +128,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"active {s['params_active'] / 1e6:.2f}M",
         f"trained      {s['steps']} steps, {s['tokens']:,} tokens, {s['flops']:.3g} FLOPs, "
         f"{s['elapsed_s']:.0f} s ({f(s['tokens_per_s'], ',.0f')} tokens/s)",
+        f"MFU          {f(s.get('mfu'), '.3f')} of the measured fp32 matmul ceiling "
+        f"({f(s.get('matmul_ceiling_gflops'), '.1f')} GFLOP/s per process; whole run, "
+        "eval and checkpoints included)",
         f"final loss   train LM {f(s['final_lm_loss'], '.4f')}, validation {f(s['val_loss'], '.4f')}",
     ]
     if s.get("val_domains"):
