@@ -112,11 +112,6 @@ class ShardedModel:
                     g.mul_(coef)
         return total
 
-    def set_gradient_sync(self, sync: bool) -> None:
-        """Skip the reduce-scatter in all but the last micro-batch of a step (FSDP2's no_sync)."""
-        if self.sharded:
-            self.model.set_requires_gradient_sync(sync)
-
     # -- consolidated weights -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
         """Collective: the full model state dict on CPU on rank 0 (``{}`` on the others).
