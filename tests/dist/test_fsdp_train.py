@@ -3,7 +3,9 @@ expert parallelism equal to plain FSDP, and sharded checkpoints resumed at other
 
 Every run uses one sequence per micro-batch (global batch 4 = world x grad_accum), so the
 per-micro-batch load-balance weights are computed on the same token groups at every world
-size. Each launch has a timeout (run_cmd): a hang fails the test.
+size. Each launch has a timeout (run_cmd): a hang fails the test. The default suite trains one
+process, FSDP on 2 ranks and resumes that on 1 (FSDP+EP is covered step for step by
+test_fsdp_unit.py); the slow test adds FSDP+EP through the trainer and a resume on 4 ranks.
 """
 
 import json
@@ -34,8 +36,9 @@ def same_steps(a, b, steps):
         assert rb["lambda"] == pytest.approx(ra["lambda"], rel=1e-9)  # all-reduced statistics
 
 
-def test_fsdp_training_resumes_at_any_world_size(make_overrides, tmp_path, run_cmd, free_port):
-    def train(name, world, resume=False, **extra):
+@pytest.fixture
+def train(make_overrides, tmp_path, run_cmd, free_port):
+    def run(name, world, resume=False, **extra):
         o = make_overrides(tmp_path, name, **COMMON,
                            **{"train.grad_accum": 4 // world, **extra})
         cmd = [sys.executable, "-m", "remoe.cli", "train", "--no-progress"]
@@ -44,44 +47,56 @@ def test_fsdp_training_resumes_at_any_world_size(make_overrides, tmp_path, run_c
                         f"--master_port={free_port()}", "-m", "remoe.cli"]
         run_cmd(cmd + (["--resume"] if resume else []) + [f"--set={x}" for x in o])
         return metrics(tmp_path / name / "metrics.jsonl")
+    return run
 
+
+def check_run(tmp_path, run):
+    """Sharded checkpoints; every rank took part in recording the masks; a consolidated final/
+    (the layout of a run without FSDP) equal to the one-process reference's."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / run
+    ckpt = d / "checkpoints" / "step_0000004"
+    assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
+    assert sorted(p.name for p in (d / "routing").iterdir()) == [
+        "masks_0000000.npz", "masks_0000002.npz", "masks_0000004.npz"]
+    wa, wb = load_file(str(tmp_path / "one/final/model.safetensors")), load_file(
+        str(d / "final/model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:  # (AdamW amplifies fp32 reduction-order noise on near-zero gradients)
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-4, msg=k)
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["params_total"] == json.loads(
+        (tmp_path / "one/summary.json").read_text())["params_total"]
+
+
+def resume_from_step_2(train, tmp_path, src, dst, world, **extra):
+    """Resume ``src`` from its step-2 checkpoint on ``world`` processes: steps 3-4 continue as
+    the run that never stopped."""
+    shutil.copytree(tmp_path / src, tmp_path / dst)
+    ckpts = tmp_path / dst / "checkpoints"
+    shutil.rmtree(ckpts / "step_0000004")
+    (ckpts / "LATEST").write_text("step_0000002")
+    resumed = train(dst, world, resume=True, **{"train.fsdp": "true", **extra})
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    same_steps(metrics(tmp_path / src / "metrics.jsonl"), resumed, {3, 4})
+
+
+def test_fsdp_training_equals_one_process_and_resumes_on_one(train, tmp_path):
     one = train("one", 1)  # the reference: one process, no FSDP, 4 micro-batches
     fsdp = train("fsdp", 2, **{"train.fsdp": "true"})
-    fsdp_ep = train("fsdp_ep", 2, **{"train.fsdp": "true", "train.expert_parallel": "true"})
-    assert len(one) == len(fsdp) == len(fsdp_ep) == 4
+    assert len(one) == len(fsdp) == 4
     same_steps(one, fsdp, {1, 2, 3, 4})
-    same_steps(fsdp, fsdp_ep, {1, 2, 3, 4})
-    assert one[0]["expert_counts"] == fsdp[0]["expert_counts"] == fsdp_ep[0]["expert_counts"]
+    assert one[0]["expert_counts"] == fsdp[0]["expert_counts"]
+    check_run(tmp_path, "fsdp")
+    resume_from_step_2(train, tmp_path, "fsdp", "on1", 1)
 
-    for run in ("fsdp", "fsdp_ep"):
-        d = tmp_path / run
-        # sharded checkpoints; every rank took part in recording the masks; a consolidated
-        # final/ (the layout of a run without FSDP) equal to the reference's
-        ckpt = d / "checkpoints" / "step_0000004"
-        assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
-        assert sorted(p.name for p in (d / "routing").iterdir()) == [
-            "masks_0000000.npz", "masks_0000002.npz", "masks_0000004.npz"]
-        from safetensors.torch import load_file
 
-        wa, wb = load_file(str(tmp_path / "one/final/model.safetensors")), load_file(
-            str(d / "final/model.safetensors"))
-        assert wa.keys() == wb.keys()
-        for k in wa:  # (AdamW amplifies fp32 reduction-order noise on near-zero gradients)
-            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-4, msg=k)
-        summary = json.loads((d / "summary.json").read_text())
-        assert summary["params_total"] == json.loads(
-            (tmp_path / "one/summary.json").read_text())["params_total"]
-
-    # resume the 2-rank runs from step 2 on 1 process and on 4 processes: steps 3-4 continue
-    # as the runs that never stopped
-    for src, dst, world in (("fsdp_ep", "on1", 1), ("fsdp", "on4", 4)):
-        shutil.copytree(tmp_path / src, tmp_path / dst)
-        ckpts = tmp_path / dst / "checkpoints"
-        shutil.rmtree(ckpts / "step_0000004")
-        (ckpts / "LATEST").write_text("step_0000002")
-        extra = {"train.fsdp": "true"}
-        if src == "fsdp_ep":
-            extra["train.expert_parallel"] = "true"
-        resumed = train(dst, world, resume=True, **extra)
-        assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-        same_steps(metrics(tmp_path / src / "metrics.jsonl"), resumed, {3, 4})
+@pytest.mark.slow
+def test_fsdp_ep_through_the_trainer_and_resume_on_four(train, tmp_path):
+    one = train("one", 1)
+    fsdp_ep = train("fsdp_ep", 2, **{"train.fsdp": "true", "train.expert_parallel": "true"})
+    same_steps(one, fsdp_ep, {1, 2, 3, 4})
+    check_run(tmp_path, "fsdp_ep")
+    resume_from_step_2(train, tmp_path, "fsdp_ep", "ep_on1", 1, **{"train.expert_parallel": "true"})
+    resume_from_step_2(train, tmp_path, "fsdp_ep", "on4", 4)
