@@ -69,3 +69,18 @@ def logged_eval(run_dir: Path, step: int) -> dict[str, Any] | None:
     evals, _ = rundir.read_jsonl(path) if path.exists() else ([], [])
     done = [rec for _, rec in evals if rec.get("step") == step]
     return done[-1] if done else None
+
+
+def load_full_checkpoint(ckpt: Path, state: dict[str, Any], model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer, ep, device: torch.device) -> None:
+    """Weights and optimizer state of a full (not sharded) checkpoint; under expert parallelism
+    (``ep``) each rank keeps its slices of the experts the checkpoint holds in full."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / "model.safetensors"), device=str(device))
+    optimizer_state = state["optimizer"]
+    if ep is not None:
+        weights = ep.shard_state_dict(weights)
+        optimizer_state = ep.shard_optimizer_state(optimizer_state, optimizer)
+    load_weights(model, weights, ckpt)
+    optimizer.load_state_dict(optimizer_state)

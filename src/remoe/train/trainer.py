@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from remoe import rundir
-from remoe import registry
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
@@ -45,7 +44,8 @@ from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
 from remoe.train.masks import calibration_set, write_masks
 from remoe.train.progress import ProgressLines, open_progress, stats_text
-from remoe.train.resume import load_weights, logged_eval, start_run_dir
+from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
+from remoe.train.resume import load_full_checkpoint, logged_eval, start_run_dir
 from remoe.train.runtime import setup_runtime
 # the parts of the trainer, re-exported here for existing imports
 from remoe.train.distributed import DistInfo, init_distributed, resolve_device  # noqa: F401
@@ -102,7 +102,8 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
                               f"tokenizer's vocabulary ({data.vocab_size})")
         self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
-        self.ep = self._setup_expert_parallel()  # None unless expert parallel under torchrun
+        # train.expert_parallel: this rank's slice of the experts (None: off or one process)
+        self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
         # train.fsdp: FSDP2 over the blocks and the root (remoe.train.fsdp; None otherwise)
         self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
                      if tc.fsdp else None)
@@ -133,7 +134,8 @@ class Trainer:
                 self._load(resume_from, state)
                 self._saved_step = self.step
                 self.last_eval = logged_eval(self.run_dir, self.step)  # not to be repeated
-            self.wrapped = self._wrap_model()
+            self.wrapped = wrap_data_parallel(self.model, self.dist, self.device, self.ep,
+                                              self.fsdp, self.model_cfg.router)
             self.calib = (calibration_set(self.data, tc.seq_len, cfg.analysis.calib_tokens)
                           if cfg.analysis.record_masks_every > 0 and self.model_cfg.is_moe
                           else None)
@@ -154,32 +156,6 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.cfg.train, foreach=self.device.type == "cuda")
-
-    def _wrap_model(self):
-        if not self.dist.enabled or self.fsdp is not None:
-            return self.model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if self.ep is not None:  # each rank owns different experts: DDP must not touch them
-            DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(self.ep.params))
-        return DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   find_unused_parameters=not registry.declares(self.model_cfg.router,
-                                                                "uses_all_params"))
-
-    # -- expert parallelism (train.expert_parallel; see remoe.model.expert_parallel) --------
-    def _setup_expert_parallel(self):
-        """Replace every MoE layer's experts by this rank's slice (None: off or one process)."""
-        tc = self.cfg.train
-        if not tc.expert_parallel:
-            return None
-        from remoe.model.expert_parallel import check_expert_parallel, shard_experts
-
-        mc = self.model_cfg
-        check_expert_parallel(mc.router, mc.num_experts * mc.granularity, self.dist.world_size)
-        if not self.dist.enabled:
-            return None
-        # a group of its own: the expert exchanges never interleave with DDP's all-reduces
-        return shard_experts(self.model, dist.new_group())
 
     def _full_experts(self):
         """Collective under EP: all experts gathered into self.model inside (save, counts)."""
@@ -210,23 +186,12 @@ class Trainer:
         if self.fsdp is not None:  # sharded: every rank reads its shards (any world size)
             dcp.load_sharded(ckpt, self.model, self.optimizer, self.ep)
         else:
-            self._load_full(ckpt, state)
+            load_full_checkpoint(ckpt, state, self.model, self.optimizer, self.ep, self.device)
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
         set_rng_state(state["rng"])
-
-    def _load_full(self, ckpt: Path, state: dict[str, Any]) -> None:
-        from safetensors.torch import load_file
-
-        weights = load_file(str(ckpt / "model.safetensors"), device=str(self.device))
-        optimizer_state = state["optimizer"]
-        if self.ep is not None:  # checkpoints hold every expert: keep this rank's slices
-            weights = self.ep.shard_state_dict(weights)
-            optimizer_state = self.ep.shard_optimizer_state(optimizer_state, self.optimizer)
-        load_weights(self.model, weights, ckpt)
-        self.optimizer.load_state_dict(optimizer_state)
 
     def save(self) -> Path | None:
         if self.dist.enabled:  # every rank must hold the same lambda
