@@ -87,8 +87,6 @@ def test_kill_9_then_resume_is_bit_exact(moment, reference, train_argv, rd, tmp_
     # a random kill may land after the run's end on a fast machine: then this is a resume of a
     # finished run, which must give the same result too
     assert code == -signal.SIGKILL or (not callable(how) and code == 0), (code, log[-2000:])
-    with capsys.disabled():
-        print(f" [{moment}: child exit code {code}]", end="")
     capsys.readouterr()
 
     assert main(argv + ["--resume"]) == 0
