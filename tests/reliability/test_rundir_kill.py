@@ -139,5 +139,3 @@ def test_kill_9_of_a_real_remoe_train_process(reference, train_argv, rd, tmp_pat
         rd.strip_timing(rd.read_jsonl(reference / "metrics.jsonl"))
     assert rd.read_jsonl(run / "eval.jsonl") == rd.read_jsonl(reference / "eval.jsonl")
     assert rd.same_weights(rd.weights(run), rd.weights(reference))
-    with capsys.disabled():
-        print(f" [real process: exit code {code}]", end="")
