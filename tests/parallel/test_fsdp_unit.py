@@ -5,7 +5,7 @@ Two ranks, rank 1's first router forced to route no token (only rank 0 feeds tha
 experts: no deadlock, no missing gradient): one FSDP step, and one FSDP + expert-parallel step,
 equal a single model accumulating both ranks' batches (loss, gradient norm, weights); the
 sharded checkpoints they write load into a plain model in one process. Resuming across world
-sizes through the trainer: tests/dist/test_fsdp_train.py.
+sizes through the trainer: tests/parallel/test_fsdp_train.py.
 """
 
 import copy
