@@ -13,3 +13,16 @@ def micro_data_cfg(tmp_path_factory):
     cfg = DataConfig(cache_dir=str(cache), max_bytes_per_domain=60_000, vocab_size=384)
     prepare_data(cfg, progress=False)
     return cfg
+
+
+@pytest.fixture
+def free_port():
+    """``free_port()``: a free TCP port on the loopback interface (torchrun's master port)."""
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return port

@@ -3,7 +3,6 @@ with a deadline (a hang fails the test instead of stalling the suite)."""
 
 import os
 import signal
-import socket
 import subprocess
 
 import pytest
@@ -46,13 +45,3 @@ def run_cmd():
         return out
 
     return run
-
-
-@pytest.fixture
-def free_port():
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    return port

@@ -59,16 +59,3 @@ def run_cmd():
         return proc
 
     return run
-
-
-@pytest.fixture
-def free_port():
-    """``free_port()``: a free TCP port on the loopback interface (torchrun's master port)."""
-    import socket
-
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    return port
