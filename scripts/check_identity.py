@@ -86,6 +86,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="remoe-identity-") as tmp:
         tmp = Path(tmp)
         base = tmp / "base"
+        # worktrees of earlier checks that were killed before their cleanup: forget them
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.base],
                        cwd=ROOT, check=True)
         try:
