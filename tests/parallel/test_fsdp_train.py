@@ -96,6 +96,7 @@ def test_fsdp_training_equals_one_process_and_resumes_on_one(train, tmp_path):
 def test_fsdp_ep_through_the_trainer_and_resume_on_four(train, tmp_path):
     one = train("one", 1)
     fsdp_ep = train("fsdp_ep", 2, **{"train.fsdp": "true", "train.expert_parallel": "true"})
+    assert len(one) == len(fsdp_ep) == 4
     same_steps(one, fsdp_ep, {1, 2, 3, 4})
     check_run(tmp_path, "fsdp_ep")
     resume_from_step_2(train, tmp_path, "fsdp_ep", "ep_on1", 1, **{"train.expert_parallel": "true"})

@@ -145,7 +145,7 @@ def test_fsdp_step_equals_one_process_and_checkpoint_loads_on_one(tmp_path):
         model = _model(seed=1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dcp.load_sharded(ckpt, model, opt)
-        want = torch.load(tmp_path / f"full-{use_ep}.pt")
+        want = torch.load(tmp_path / f"full-{use_ep}.pt", weights_only=True)
         for k, v in model.state_dict().items():
             assert torch.equal(v, want[k]), k
         assert len(opt.state) == len(list(model.parameters()))  # AdamW moments loaded
