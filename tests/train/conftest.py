@@ -59,3 +59,27 @@ def run_cmd():
         return proc
 
     return run
+
+
+@pytest.fixture
+def one_vs_two_ranks(make_overrides, run_cmd, free_port, tmp_path):
+    """``one_vs_two_ranks(common, one_extra)``: train the micro model once in one process with
+    ``one_extra`` (e.g. two accumulated micro-batches) and once on two gloo ranks (torchrun),
+    both with the ``common`` overrides; returns the two runs' metrics.jsonl records."""
+    import json
+    import sys
+
+    def train(name, overrides, ranks):
+        launch = [sys.executable, "-m", "remoe.cli"] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+            f"--master_port={free_port()}", "-m", "remoe.cli"]
+        run_cmd(launch + ["train", "--no-progress"] + [f"--set={o}" for o in overrides])
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines if x.strip()]
+
+    def run(common, one_extra):
+        one = train("one", make_overrides(tmp_path, "one", **common, **one_extra), 1)
+        two = train("two", make_overrides(tmp_path, "two", **common), 2)
+        return one, two
+
+    return run

@@ -1,7 +1,6 @@
 """Sparsity-control options in real training (issue 11): per-layer lambda, PI rule, revival."""
 
 import json
-import sys
 
 import pytest
 
@@ -49,18 +48,12 @@ def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash):
     assert got == ref
 
 
-def test_per_layer_lambda_identical_on_two_ranks(make_overrides, tmp_path, run_cmd, free_port):
+def test_per_layer_lambda_identical_on_two_ranks(one_vs_two_ranks):
     common = {**OPTIONS, "train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
               "analysis.record_masks_every": 0, "train.num_threads": 1,
               "train.micro_batch_size": 2}
-    one = make_overrides(tmp_path, "one", **common, **{"train.grad_accum": 2})
-    two = make_overrides(tmp_path, "two", **common)
-    run_cmd([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in one])
     # every save all-reduces each layer's lambda and fails if the ranks disagree
-    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-          f"--master_port={free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
-         + [f"--set={o}" for o in two])
-    a, b = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+    a, b = one_vs_two_ranks(common, {"train.grad_accum": 2})
     assert len(a) == len(b) == 4
     assert a[0]["lambda_layers"] == b[0]["lambda_layers"]
     for ra, rb in zip(a[:2], b[:2]):  # per-layer sparsities summed over ranks: same lambdas

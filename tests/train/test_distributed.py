@@ -1,7 +1,6 @@
 """Two CPU processes (torchrun, gloo) against one process on the same global batch."""
 
 import json
-import sys
 
 import pytest
 
@@ -10,19 +9,12 @@ def metrics(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_two_processes_match_one(make_overrides, tmp_path, run_cmd, free_port):
+def test_two_processes_match_one(one_vs_two_ranks):
     common = {"train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
               "analysis.record_masks_every": 0, "train.num_threads": 1}
     # one process accumulating two micro-batches == two ranks with one micro-batch each (the
     # per-micro-batch load-balance weights f are then computed on the same token groups)
-    single = make_overrides(tmp_path, "one", **common, **{"train.micro_batch_size": 2,
-                                                          "train.grad_accum": 2})
-    double = make_overrides(tmp_path, "two", **common, **{"train.micro_batch_size": 2})
-    run_cmd([sys.executable, "-m", "remoe.cli", "train", "--no-progress"] + [f"--set={o}" for o in single])
-    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master_port={free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
-        + [f"--set={o}" for o in double])
-    a, b = metrics(tmp_path / "one" / "metrics.jsonl"), metrics(tmp_path / "two" / "metrics.jsonl")
+    a, b = one_vs_two_ranks({**common, "train.micro_batch_size": 2}, {"train.grad_accum": 2})
     assert len(a) == len(b) == 4
     for ra, rb in zip(a, b):
         assert rb["step_tokens"] == ra["step_tokens"] == 4 * 33

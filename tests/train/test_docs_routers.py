@@ -53,9 +53,9 @@ def test_a_user_router_trains_evaluates_and_analyses(tmp_path, tiny_data_cfg):
         assert any(k.endswith("router.bias") for k in f.keys())  # the user's parameter is saved
     _run([sys.executable, "-m", "remoe.cli", "eval", str(run), "--tasks", "none"], env, tmp_path)
     _run([sys.executable, "-m", "remoe.cli", "analyze", "stages", str(run)], env, tmp_path)
-    bench = _run([sys.executable, "-m", "remoe.cli", "bench", "--quick", "--suite", "layer",
-                  "--rows", "dense", "relu_bias", "--router-module", "my_routers", "--no-memory",
-                  "--allocator", "default", "--out", str(tmp_path / "b.json")], env, tmp_path)
+    _run([sys.executable, "-m", "remoe.cli", "bench", "--quick", "--suite", "layer",
+             "--rows", "dense", "relu_bias", "--router-module", "my_routers", "--no-memory",
+         "--allocator", "default", "--out", str(tmp_path / "b.json")], env, tmp_path)
     rows = json.loads((tmp_path / "b.json").read_text())["layer"]["rows"]
     assert {r["row"] for r in rows} >= {"relu_bias"}
 
