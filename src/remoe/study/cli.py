@@ -67,20 +67,26 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         raise ConfigError(f"--gflops={gflops} must be > 0")
     measured = gflops is None
     gflops = estimate.probe_gflops() if measured else gflops
+    from remoe.study.runconfig import apply_stop
+
     flops_of: dict[str, float] = {}
-    rows, total_s, total_flops = [], 0.0, 0.0
-    for r in study.selected():
+    rows, todo, total_s, total_flops = [], [], 0.0, 0.0
+    for r in study.spec.runs:  # every finished run calibrates the rate, selected or not
         summary = study.summary(r)
         if summary is not None:
             flops_of[r.name] = float(summary.get("flops") or 0.0)
+    finished = [(flops_of[r.name], float(study.summary(r).get("elapsed_s") or 0.0),
+                 _run_threads(study.run_dir(r))) for r in study.spec.runs if r.name in flops_of]
+    for r in study.selected():
+        summary = study.summary(r)
+        if summary is not None:
             rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
             continue
         match = flops_of.get(r.match_of) if r.match_of else None
-        from remoe.study.runconfig import apply_stop
-
         cost = estimate.estimate_flops(apply_stop(r, study.runs_dir, study.threads, match))
         flops_of[r.name] = cost.flops
         secs = estimate.cpu_seconds(cost, gflops)
+        todo.append(cost)
         total_s += secs
         total_flops += cost.flops + cost.extra_flops
         state = "resume" if study.has_checkpoint(r) else "to run"
@@ -102,12 +108,30 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         f"{'probe' if measured else 'given'} {gflops:.1f} GFLOP/CPU-s x efficiency "
         f"{estimate.EFFICIENCY} + {estimate.RUN_OVERHEAD_CPU_S:.0f} CPU-s per run "
         "(remoe.study.estimate)")
+    rate = estimate.achieved_rate(finished)
+    calibrated = None
+    if rate is not None and todo:
+        n_threads = study.threads * min(study.jobs, len(todo))
+        calibrated = sum(estimate.thread_seconds(c, rate) for c in todo) / n_threads
+        log(f"at the rate this study's {len(finished)} finished run(s) reached ({rate:.1f} GFLOP "
+            f"per thread-second of training, under the load they ran with): ~{_fmt_s(calibrated)} "
+            f"wall with --jobs {study.jobs} x {study.threads} thread(s)")
     if study.spec.eval_tasks:
         todo = sum(not study.done(r) for r, *_ in rows)
         log(f"then zero-shot tasks ({study.spec.eval_tasks}"
             f"{f', at most {study.spec.eval_limit} examples each' if study.spec.eval_limit else ''}"
             f") on {todo} run(s) without them: `remoe eval --no-loss`, not in the estimate")
-    return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall}
+    return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall,
+            "achieved_gflops": rate, "calibrated_wall_s": calibrated}
+
+
+def _run_threads(run_dir: Path) -> int:
+    """The threads a finished run trained with (its last metrics record), else 1."""
+    from remoe.runfiles import read_jsonl
+
+    path = run_dir / "metrics.jsonl"
+    good = read_jsonl(path)[0] if path.is_file() else []
+    return int(good[-1][1].get("threads") or 1) if good else 1
 
 
 def _report(study, log=print) -> Path | None:

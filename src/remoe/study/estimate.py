@@ -21,6 +21,12 @@ rate per CPU second on one thread (:func:`remoe.bench.common.matmul_ceiling`, a 
 ~0.1 s) and EFFICIENCY the share of it a whole training step reaches at the study's sizes
 (attention, softmax, dispatch, optimizer, evaluation, checkpoints, Python), plus a fixed
 :data:`RUN_OVERHEAD_CPU_S` per run.
+
+Once runs of the study have finished, :func:`achieved_rate` measures the rate they actually
+reached: training FLOPs per thread-second of training wall time (``summary.json``'s ``flops``
+and ``elapsed_s``, the sum of step times over every attempt, times the run's threads). That
+rate includes the study's real step costs and whatever load the machine carried while they ran,
+so ``--dry-run`` also prints the time left at that rate.
 """
 
 from __future__ import annotations
@@ -140,3 +146,17 @@ def probe_gflops() -> float:
 
 def cpu_seconds(cost: RunCost, gflops: float, efficiency: float = EFFICIENCY) -> float:
     return (cost.flops + cost.extra_flops) / (gflops * 1e9 * efficiency) + RUN_OVERHEAD_CPU_S
+
+
+def achieved_rate(finished: list[tuple[float, float, int]]) -> float | None:
+    """GFLOP per thread-second of training wall time over finished runs, each given as
+    ``(training FLOPs, elapsed_s, threads)``; None when none has a positive time."""
+    flops = sum(f for f, t, n in finished if t > 0 and n > 0)
+    thread_s = sum(t * n for f, t, n in finished if t > 0 and n > 0)
+    return flops / thread_s / 1e9 if thread_s > 0 and flops > 0 else None
+
+
+def thread_seconds(cost: RunCost, rate_gflops: float) -> float:
+    """Thread-seconds of wall time a run needs at an :func:`achieved_rate` (plus the per-run
+    overhead, which the training time of a finished run does not contain)."""
+    return (cost.flops + cost.extra_flops) / (rate_gflops * 1e9) + RUN_OVERHEAD_CPU_S
