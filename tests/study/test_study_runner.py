@@ -119,7 +119,10 @@ def test_kill_9_mid_study_then_rerun_resumes(write_spec, tmp_path):
     steps_before = len((out / "runs/E2-s0/metrics.jsonl").read_text().splitlines())
     time.sleep(0.8)  # nobody keeps writing: the children are gone
     assert len((out / "runs/E2-s0/metrics.jsonl").read_text().splitlines()) == steps_before
-    assert json.loads((out / "study.json").read_text())["runs"]["E2-s0"]["state"] == "running"
+    before = json.loads((out / "study.json").read_text())["runs"]["E2-s0"]
+    assert before["state"] == "running" and before["total_wall_s"] == 0.0
+    lost = (out / "runs/E2-s0/metrics.jsonl").stat().st_mtime - before["started"]
+    assert lost >= 0.8  # two steps of 0.4 s at least
 
     assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0
     calls = _calls(out)
@@ -128,6 +131,10 @@ def test_kill_9_mid_study_then_rerun_resumes(write_spec, tmp_path):
     assert all(c.split()[1] != "--resume" for c in calls if c.startswith("E8-s0"))
     metrics = (out / "runs/E2-s0/metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in metrics][-1] == 6
+    # the killed attempt's time counts (until its last write), beside the resumed one
+    after = json.loads((out / "study.json").read_text())["runs"]["E2-s0"]
+    assert after["attempts"] == 2
+    assert after["total_wall_s"] == pytest.approx(after["wall_s"] + lost, abs=0.2)  # + LATEST
     n_calls = len(calls)
     assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0  # all done: nothing runs
     assert len(_calls(out)) == n_calls

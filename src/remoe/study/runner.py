@@ -85,7 +85,7 @@ class Study:
             prev = (old.get("runs") or {}).get(r.name) or {}
             st = RunState()
             for k in ("attempts", "exit_status", "wall_s", "total_wall_s", "started", "finished",
-                      "state", "message", "eval_wall_s"):
+                      "state", "message", "eval_wall_s", "phase"):
                 if k in prev:
                     setattr(st, k, prev[k])
             self.states[r.name] = st
@@ -184,6 +184,8 @@ class Study:
         """Runs finished on disk are done, whatever an earlier (killed) study wrote."""
         for r in self.spec.runs:
             st = self.states[r.name]
+            if st.state == "running":
+                self._count_lost_attempt(r, st)
             if self.done(r):
                 st.state = "done"
             elif st.state in ("running", "done"):
@@ -342,6 +344,18 @@ class Study:
             self.log(f"  FAILED {r.name}: exit status {code} (log {self.log_path(r)}); last lines:\n"
                      + "\n".join("    | " + ln for ln in lines))
         self.write_state("running")
+
+    def _count_lost_attempt(self, r: RunSpec, st: RunState) -> None:
+        """An earlier study process died (kill -9, machine stopped) while this child ran, so
+        its attempt never reported: count it until the child's last write (its log, metrics,
+        evaluations or checkpoint pointer), as it died with its parent."""
+        d = self.run_dir(r)
+        paths = [self.log_path(r), d / "metrics.jsonl", d / "eval.jsonl",
+                 d / "checkpoints" / "LATEST", d / "eval_results.json"]
+        last = max((p.stat().st_mtime for p in paths if p.is_file()), default=None)
+        if st.started and last is not None and last > float(st.started):
+            self._add_wall(st, last - float(st.started))
+        st.state = "interrupted"
 
     @staticmethod
     def _add_wall(st: RunState, seconds: float) -> None:
