@@ -195,3 +195,42 @@ def test_eval_section_evaluates_each_trained_run_once(write_spec, tmp_path, monk
     md = md_path.read_text()
     assert "| run | n | Task A* (acc) | Task B* (MI) | avg |" in md
     assert "| `topk` | 2/2 | 30.0 ± 7.1 | 50.0 ± 0.0 | 40.0 ± 3.5 |" in md
+
+
+def test_reuse_takes_identical_finished_runs_from_another_study(write_spec, tmp_path):
+    a_spec = write_spec({"seeds": [0, 1], "groups": [{"name": "g", "grid": {
+        "model.router": ["topk", "relu"]}}]}, name="a.yaml")
+    a_out = tmp_path / "a"
+    assert _study(a_spec, a_out).run(poll_s=0.02) == 0
+    # another study: other names for two of a's experiments, one new run, one matched to an
+    # adopted reference, and seed 2 (never trained in a)
+    b_spec = write_spec({"seeds": [0, 2], "groups": [
+        {"name": "scale", "label": "{label}-E4", "grid": {"model.router": ["topk", "relu"]}},
+        {"name": "new", "runs": [{"label": "relu-E8", "set": {"model.router": "relu",
+                                                              "model.num_experts": 8}}],
+         "seeds": [0]},
+        {"name": "m", "label": "flops-{label}", "runs": [{"label": "dense", "set": {
+            "model.router": "dense"}}], "match_flops_of": "relu-E4", "seeds": [0]}]},
+        name="b.yaml")
+    b_out = tmp_path / "b"
+    from remoe.study.cli import dry_run
+
+    lines = []
+    dry_run(_study(b_spec, b_out, reuse=(a_out,)), log=lines.append, gflops=50.0)
+    state = {x.split()[0]: x.split()[1] for x in lines if x.split() and x.split()[0].endswith(
+        ("-s0", "-s2"))}
+    assert state == {"topk-E4-s0": "reuse", "relu-E4-s0": "reuse", "topk-E4-s2": "to",
+                     "relu-E4-s2": "to", "relu-E8-s0": "to", "flops-dense-s0": "to"}
+    logs = []
+    st = Study(load_spec(b_spec), b_out, command=stub_command, log=logs.append, reuse=(a_out,))
+    assert st.run(poll_s=0.02) == 0
+    b_calls = [c.split()[0] for c in _calls(b_out)]
+    assert sorted(b_calls) == ["flops-dense-s0", "relu-E4-s2", "relu-E8-s0", "topk-E4-s2"]
+    assert "  reuse relu-E4-s0  <- " + str((a_out / "runs/relu-s0").resolve()) in "\n".join(logs)
+    src, dst = a_out / "runs/relu-s0/summary.json", b_out / "runs/relu-E4-s0/summary.json"
+    assert os.stat(src).st_ino == os.stat(dst).st_ino  # hard-linked, not copied
+    runs = json.loads((b_out / "study.json").read_text())["runs"]
+    assert runs["relu-E4-s0"]["state"] == "done" and "reused from" in runs["relu-E4-s0"]["message"]
+    # the matched run stopped at the adopted reference's FLOPs
+    ref = json.loads(src.read_text())["flops"]
+    assert f"max_flops: {ref}" in (b_out / "configs/flops-dense-s0.yaml").read_text()

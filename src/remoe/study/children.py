@@ -52,6 +52,19 @@ def comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+#: What may differ between two runs that are the same experiment (``remoe study --reuse``).
+PLACE_FIELDS = (("run", "name"), ("run", "out_dir"))
+
+
+def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
+    """:func:`comparable` without where the run lives: two runs equal under it trained the same
+    model on the same data with the same seed, whichever study made them."""
+    d = comparable(cfg)
+    for section, key in PLACE_FIELDS:
+        d.get(section, {}).pop(key, None)
+    return d
+
+
 def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     out = []
     for section in sorted(set(a) | set(b)):

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="run only these runs (names, labels or groups; shell patterns allowed); "
                         "the runs they match FLOPs with are added")
+    p.add_argument("--reuse", nargs="+", default=(), metavar="DIR",
+                   help="other study directories: a run whose experiment (config minus run name "
+                        "and directory, seed included) finished there is taken over (hard-linked) "
+                        "instead of trained again")
     p.add_argument("--results-only", action="store_true",
                    help="rebuild results.csv / results.md / report.html without running")
     p.add_argument("--no-report", action="store_true", help="do not build report.html")
@@ -67,6 +71,7 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         raise ConfigError(f"--gflops={gflops} must be > 0")
     measured = gflops is None
     gflops = estimate.probe_gflops() if measured else gflops
+    from remoe.study.children import read_json, same_experiment
     from remoe.study.runconfig import apply_stop
 
     flops_of: dict[str, float] = {}
@@ -77,13 +82,21 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
             flops_of[r.name] = float(summary.get("flops") or 0.0)
     finished = [(flops_of[r.name], float(study.summary(r).get("elapsed_s") or 0.0),
                  _run_threads(study.run_dir(r))) for r in study.spec.runs if r.name in flops_of]
+    elsewhere = study.finished_elsewhere() if study.reuse else []
     for r in study.selected():
         summary = study.summary(r)
         if summary is not None:
             rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
             continue
         match = flops_of.get(r.match_of) if r.match_of else None
-        cost = estimate.estimate_flops(apply_stop(r, study.runs_dir, study.threads, match))
+        cfg = apply_stop(r, study.runs_dir, study.threads, match)
+        src = next((p for p, c in elsewhere if c == same_experiment(cfg)), None)
+        if src is not None and not study.has_checkpoint(r):
+            summary = read_json(src / "summary.json") or {}
+            flops_of[r.name] = float(summary.get("flops") or 0.0)
+            rows.append((r, "reuse", summary.get("steps"), flops_of[r.name], 0.0))
+            continue
+        cost = estimate.estimate_flops(cfg)
         flops_of[r.name] = cost.flops
         secs = estimate.cpu_seconds(cost, gflops)
         todo.append(cost)
@@ -97,7 +110,7 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
     log(f"{'run':<{w}}  {'state':<6}  {'steps':>6}  {'FLOPs':>9}  {'est. CPU':>9}  stop; overrides")
     for r, state, steps, flops, secs in rows:
         log(f"{r.name:<{w}}  {state:<6}  {steps if steps is not None else '?':>6}  {flops:>9.3g}  "
-            f"{_fmt_s(secs) if state != 'done' else '-':>9}  {r.describe_stop()}; "
+            f"{_fmt_s(secs) if state not in ('done', 'reuse') else '-':>9}  {r.describe_stop()}; "
             f"{r.describe_overrides() or '-'}")
     import os
 
@@ -161,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs={args.jobs} must be >= 1")
     spec = load_spec(args.spec)  # expands and validates every run before anything starts
     out = Path(args.out or spec.out or Path("studies") / spec.name)
-    study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only))
+    for d in args.reuse:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--reuse {d!r}: not a directory")
+    study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only),
+                  reuse=tuple(Path(d) for d in args.reuse))
     if args.dry_run:
         dry_run(study, gflops=args.gflops)
         return 0

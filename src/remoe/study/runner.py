@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -30,9 +31,9 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
-from remoe.study.children import (atomic_write, comparable, die_with_parent, read_json,
-                                  read_yaml, config_diff, default_command, eval_command,
-                                  eval_done, tail)
+from remoe.study.children import (atomic_write, comparable, config_diff, default_command,
+                                  die_with_parent, eval_command, eval_done, read_json, read_yaml,
+                                  same_experiment, tail)
 from remoe.study.runconfig import apply_stop, load_run_config
 from remoe.study.spec import RunSpec, StudySpec
 
@@ -75,6 +76,7 @@ class Study:
     evaluate: Callable[[Path, str, int | None], list[str]] = eval_command
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
+    reuse: tuple[Path, ...] = ()  # other study directories whose identical finished runs count
     states: dict[str, RunState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,6 +156,47 @@ class Study:
                               f"{', '.join(bad)}; delete their directories under "
                               f"{self.runs_dir} or choose another --out")
 
+    # -- reuse of identical runs from other studies ------------------------------------------
+    def _adopt_identical(self, selected: list[RunSpec]) -> None:
+        """``--reuse DIR``: a run not started here whose experiment (config minus run name and
+        directory; seed included) finished in another study is taken over, hard-linked where
+        the file system allows, instead of being trained again. In dependency order, so a
+        FLOP-matched run can match its adopted reference."""
+        found = self.finished_elsewhere()
+        for r in selected:
+            d = self.run_dir(r)
+            if self.trained(r) or self.has_checkpoint(r) or (d.exists() and any(d.iterdir())):
+                continue
+            if r.match_of is not None and self.match_flops(r) is None:
+                continue
+            want = same_experiment(self.full_config(r))
+            src = next((p for p, cfg in found if cfg == want), None)
+            if src is None:
+                continue
+            d.parent.mkdir(parents=True, exist_ok=True)
+            if d.exists():
+                d.rmdir()
+            shutil.copytree(src, d, copy_function=_link_or_copy)
+            self.log(f"  reuse {r.name}  <- {src} (the same experiment, finished)")
+            st = self.states[r.name]
+            st.state, st.message = ("done" if self.done(r) else "pending"), f"reused from {src}"
+
+    def finished_elsewhere(self) -> list[tuple[Path, dict[str, Any]]]:
+        out = []
+        for study_dir in self.reuse:
+            for summary in sorted(Path(study_dir).glob("runs/*/summary.json")):
+                src = summary.parent.resolve()
+                if src.parent == self.runs_dir:
+                    continue
+                cfg = read_yaml(src / "config.yaml")
+                if not cfg:
+                    continue
+                try:
+                    out.append((src, same_experiment(cfg)))
+                except ConfigError:
+                    continue  # a run of an older remoe this one cannot read: not the same
+        return out
+
     # -- selection ----------------------------------------------------------------------------
     def selected(self) -> list[RunSpec]:
         """The runs to consider, dependencies first; ``only`` plus what it depends on."""
@@ -210,6 +253,8 @@ class Study:
         selected = self.selected()
         self.check_existing(selected)
         self.refresh_done()
+        if self.reuse:
+            self._adopt_identical(selected)
         todo = [r for r in selected if self.states[r.name].state != "done"]
         done = len(selected) - len(todo)
         self.log(f"study {self.spec.name}: {len(selected)} runs ({done} done, {len(todo)} to run), "
@@ -390,3 +435,12 @@ class Study:
             st.exit_status, st.finished = proc.returncode, time.time()
             self._add_wall(st, st.finished - t0)
             st.state = "done" if self.done(r) else "interrupted"
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    """Hard link (no extra disk for a reused run's checkpoints), else a copy."""
+    try:
+        os.link(src, dst)
+        return dst
+    except OSError:
+        return shutil.copy2(src, dst)
