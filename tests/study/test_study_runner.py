@@ -205,7 +205,8 @@ def test_reuse_takes_identical_finished_runs_from_another_study(write_spec, tmp_
     # another study: other names for two of a's experiments, one new run, one matched to an
     # adopted reference, and seed 2 (never trained in a)
     b_spec = write_spec({"seeds": [0, 2], "groups": [
-        {"name": "scale", "label": "{label}-E4", "grid": {"model.router": ["topk", "relu"]}},
+        {"name": "scale", "label": "{label}-E4", "grid": {"model.router": ["topk", "relu"]},
+         "set": {"model.granularity": 1}},  # the default written out: the same model
         {"name": "new", "runs": [{"label": "relu-E8", "set": {"model.router": "relu",
                                                               "model.num_experts": 8}}],
          "seeds": [0]},

@@ -62,6 +62,11 @@ def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
     d = comparable(cfg)
     for section, key in PLACE_FIELDS:
         d.get(section, {}).pop(key, None)
+    # the model as built (preset and defaults applied): `granularity: 1` written out or left
+    # to its default is the same model
+    exp = load_run_config(cfg)
+    d["model"] = exp.model_config(vocab_size=exp.data.vocab_size).to_dict()
+    d["model"].pop("transformers_version", None)
     return d
 
 
