@@ -221,7 +221,10 @@ class SparsityControlConfig:
     lambda_update: str = "sign"  # eq. 6's sign rule (paper) | "pi"
     lambda_pi_kp: float = 1.0
     lambda_pi_ki: float = 0.25
-    revive_after: int = 0  # hand experts silent this many steps to the revival hinge (0: off)
+    revive_after: int = 0  # hand experts starving this many steps to the revival hinge (0: off)
+    # an expert starves in a step when it gets at most this share of the step's tokens
+    # (0: only an expert with no token; 1/64: paper Fig. 7's "inactive")
+    revive_below: float = 0.0
 
     def validate(self, p: str = "model.") -> None:
         _need(_real(self.alpha) and self.alpha > 1.0,
@@ -233,6 +236,9 @@ class SparsityControlConfig:
         _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki"), p)
         _need(_int(self.revive_after) and self.revive_after >= 0,
               f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")
+        _need(_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
+              f"{p}revive_below={self.revive_below!r} must be a number in [0, 1) (a share of "
+              "the step's tokens)")
 
 
 SECTIONS = {"backbone": BackboneConfig, "routing": RoutingConfig, "control": SparsityControlConfig}

@@ -138,17 +138,24 @@ class LayerwiseLambdaController:
 
 @dataclass
 class ExpertRevival:
-    """Consecutive silent steps per (layer, expert); experts silent ``after`` steps are dead."""
+    """Consecutive starving steps per (layer, expert); experts starving ``after`` steps in a
+    row are dead. An expert starves in a step when it gets at most ``below`` of the step's
+    tokens (``below = 0``: only when it gets none)."""
 
     after: int
     silent: list[list[int]] = field(default_factory=list)  # [L][N]
+    below: float = 0.0
 
-    def update(self, counts_LN) -> list[list[bool]]:
-        """Feed the step's routed-token counts [L][N]; returns the dead mask [L][N]."""
+    def update(self, counts_LN, num_tokens: float | None = None) -> list[list[bool]]:
+        """Feed the step's routed-token counts [L][N] (and its token count, needed when
+        ``below > 0``); returns the dead mask [L][N]."""
         counts = [[float(v) for v in row] for row in counts_LN]
+        if self.below > 0 and num_tokens is None:
+            raise ValueError("ExpertRevival(below > 0) needs the step's token count")
+        floor = self.below * num_tokens if self.below > 0 else 0.0
         if not self.silent:
             self.silent = [[0] * len(row) for row in counts]
-        self.silent = [[(s + 1) if c == 0 else 0 for s, c in zip(srow, crow)]
+        self.silent = [[(s + 1) if c <= floor else 0 for s, c in zip(srow, crow)]
                        for srow, crow in zip(self.silent, counts)]
         return self.dead()
 
@@ -156,6 +163,7 @@ class ExpertRevival:
         return [[s >= self.after for s in row] for row in self.silent]
 
     def state_dict(self) -> dict:
+        # ``below`` is configuration (model.revive_below), not state: it is not checkpointed
         return {"after": self.after, "silent": [list(r) for r in self.silent]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -190,11 +198,12 @@ class SparsityControl:
         """lambda_{i,l} per MoE layer (None: one lambda for all layers)."""
         return self.lam.coeffs if self.per_layer else None
 
-    def update(self, sparsity: float, layer_sparsity: list[float], counts_LN) -> None:
+    def update(self, sparsity: float, layer_sparsity: list[float], counts_LN,
+               num_tokens: float | None = None) -> None:
         """One optimizer step's measurements (all ranks reduced) -> the next coefficients."""
         self.lam.update(layer_sparsity if self.per_layer else sparsity)
         if self.revival is not None:
-            self.revival.update(counts_LN)
+            self.revival.update(counts_LN, num_tokens)
 
     def dead_experts(self) -> list[list[bool]] | None:
         """[L][N] experts whose revival hinge is on for the next step (None: revival off)."""
@@ -238,4 +247,5 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
     else:
         lam = one()
     after = getattr(cfg, "revive_after", 0)
-    return SparsityControl(lam, ExpertRevival(after) if after > 0 else None)
+    revival = ExpertRevival(after, below=getattr(cfg, "revive_below", 0.0)) if after > 0 else None
+    return SparsityControl(lam, revival)

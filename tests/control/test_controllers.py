@@ -7,6 +7,7 @@ import math
 import pytest
 
 from remoe import ReMoEConfig
+from remoe.errors import ConfigError
 from remoe.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
                             SparsityControl, build_controller)
 
@@ -63,6 +64,23 @@ def test_revival_counts_consecutive_silent_steps():
     assert r.update([[0, 5], [1, 0]]) == [[True, False], [False, True]]
     assert r.update([[4, 0], [0, 0]]) == [[False, False], [False, True]]
     assert r.silent == [[0, 1], [1, 3]]
+
+
+def test_revival_below_a_share_of_the_steps_tokens_counts_as_starving():
+    r = ExpertRevival(after=2, below=1 / 64)  # 128 tokens: at most 2 tokens is starving
+    assert r.update([[2, 126], [3, 125]], 128) == [[False, False], [False, False]]
+    assert r.update([[1, 127], [2, 126]], 128) == [[True, False], [False, False]]
+    assert r.update([[3, 125], [0, 128]], 128) == [[False, False], [True, False]]
+    assert r.silent == [[0, 0], [2, 0]] and r.dead() == [[False, False], [True, False]]
+    with pytest.raises(ValueError, match="token count"):
+        r.update([[1, 1], [1, 1]])
+    # through the config: the controller feeds the step's tokens
+    cfg = ReMoEConfig.from_preset("micro", num_experts=2, revive_after=1, revive_below=0.25)
+    c = build_controller(cfg, 1)
+    c.update(0.5, [0.5], [[3, 13]], 16)
+    assert c.dead_experts() == [[True, False]]
+    with pytest.raises(ConfigError, match="model.revive_below=1.5 must be a number in"):
+        ReMoEConfig.from_preset("micro", revive_below=1.5)
 
 
 def test_sparsity_control_state_round_trip_and_format_guard():

@@ -38,12 +38,15 @@ class StepControl:
         for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
             router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
 
-    def after_step(self, counts_LN: torch.Tensor, stats: StepStatistics) -> None:
-        """After the optimizer update: the routers' own update, then the controller's."""
+    def after_step(self, counts_LN: torch.Tensor, stats: StepStatistics,
+                   num_tokens: float | None = None) -> None:
+        """After the optimizer update: the routers' own update, then the controller's
+        (``num_tokens``: the step's tokens over all ranks, for ``model.revive_below``)."""
         for router, counts_N in zip(self.token_routers, counts_LN):  # no-op but topk_auxfree
             router.after_step(counts_N)
         if self.controller is not None:
-            self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist())
+            self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist(),
+                                   num_tokens)
 
     @staticmethod
     def reg_term(coeff: float, reg: float, layer_coeffs: list[float] | None,

@@ -246,7 +246,7 @@ class Trainer:
         grad_norm = apply_gradients(self.optimizer, self.model, tc.grad_clip, step,
                                     self.ckpt_root, self.fsdp or self.ep)
         stats = step_statistics(tot.counts_LN, tot.tokens)
-        self.control.after_step(tot.counts_LN, stats)
+        self.control.after_step(tot.counts_LN, stats, tot.tokens)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
