@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -34,7 +33,9 @@ from remoe.errors import ConfigError
 from remoe.study.children import (atomic_write, comparable, config_diff, default_command,
                                   die_with_parent, eval_command, eval_done, read_json, read_yaml,
                                   same_experiment, tail)
+from remoe.study.reuse import finished_runs, take_over
 from remoe.study.runconfig import apply_stop, load_run_config
+from remoe.study.runstate import RunState, add_wall, last_write
 from remoe.study.spec import RunSpec, StudySpec
 
 STATE_FILE = "study.json"
@@ -45,24 +46,6 @@ def cores() -> int:
 
 def threads_per_job(jobs: int) -> int:
     return max(1, cores() // max(1, jobs))
-
-
-@dataclass
-class RunState:
-    state: str = "pending"  # pending | running | done | failed | skipped | interrupted
-    exit_status: int | None = None
-    attempts: int = 0
-    started: float | None = None
-    finished: float | None = None
-    wall_s: float | None = None  # of the last attempt (the whole child process)
-    total_wall_s: float = 0.0  # over every attempt
-    resumed: bool = False
-    message: str | None = None
-    phase: str = "train"  # train | eval (the zero-shot evaluation of a trained run)
-    eval_wall_s: float = 0.0  # of the zero-shot evaluations, over every attempt
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -173,29 +156,13 @@ class Study:
             src = next((p for p, cfg in found if cfg == want), None)
             if src is None:
                 continue
-            d.parent.mkdir(parents=True, exist_ok=True)
-            if d.exists():
-                d.rmdir()
-            shutil.copytree(src, d, copy_function=_link_or_copy)
+            take_over(src, d)
             self.log(f"  reuse {r.name}  <- {src} (the same experiment, finished)")
             st = self.states[r.name]
             st.state, st.message = ("done" if self.done(r) else "pending"), f"reused from {src}"
 
     def finished_elsewhere(self) -> list[tuple[Path, dict[str, Any]]]:
-        out = []
-        for study_dir in self.reuse:
-            for summary in sorted(Path(study_dir).glob("runs/*/summary.json")):
-                src = summary.parent.resolve()
-                if src.parent == self.runs_dir:
-                    continue
-                cfg = read_yaml(src / "config.yaml")
-                if not cfg:
-                    continue
-                try:
-                    out.append((src, same_experiment(cfg)))
-                except ConfigError:
-                    continue  # a run of an older remoe this one cannot read: not the same
-        return out
+        return finished_runs(self.reuse, exclude=self.runs_dir)
 
     # -- selection ----------------------------------------------------------------------------
     def selected(self) -> list[RunSpec]:
@@ -375,7 +342,7 @@ class Study:
     def _finished(self, r: RunSpec, code: int, t0: float) -> None:
         st = self.states[r.name]
         st.exit_status, st.finished = code, time.time()
-        self._add_wall(st, st.finished - t0)
+        add_wall(st, st.finished - t0)
         if code == 0 and self.done(r):
             st.state, st.message = "done", None
             self.log(f"  done  {r.name}  ({st.wall_s:.0f} s)")
@@ -395,21 +362,11 @@ class Study:
         its attempt never reported: count it until the child's last write (its log, metrics,
         evaluations or checkpoint pointer), as it died with its parent."""
         d = self.run_dir(r)
-        paths = [self.log_path(r), d / "metrics.jsonl", d / "eval.jsonl",
-                 d / "checkpoints" / "LATEST", d / "eval_results.json"]
-        last = max((p.stat().st_mtime for p in paths if p.is_file()), default=None)
+        last = last_write([self.log_path(r), d / "metrics.jsonl", d / "eval.jsonl",
+                           d / "checkpoints" / "LATEST", d / "eval_results.json"])
         if st.started and last is not None and last > float(st.started):
-            self._add_wall(st, last - float(st.started))
+            add_wall(st, last - float(st.started))
         st.state = "interrupted"
-
-    @staticmethod
-    def _add_wall(st: RunState, seconds: float) -> None:
-        """Training time goes to ``wall_s``/``total_wall_s``, evaluation to ``eval_wall_s``."""
-        if st.phase == "eval":
-            st.eval_wall_s = (st.eval_wall_s or 0.0) + seconds
-        else:
-            st.wall_s = seconds
-            st.total_wall_s = (st.total_wall_s or 0.0) + seconds
 
     def _interrupt(self, running: dict) -> None:
         """Ctrl-C: ask every child to stop (SIGINT), wait, then SIGKILL the stragglers."""
@@ -433,14 +390,6 @@ class Study:
             fh.close()
             st = self.states[name]
             st.exit_status, st.finished = proc.returncode, time.time()
-            self._add_wall(st, st.finished - t0)
+            add_wall(st, st.finished - t0)
             st.state = "done" if self.done(r) else "interrupted"
 
-
-def _link_or_copy(src: str, dst: str) -> str:
-    """Hard link (no extra disk for a reused run's checkpoints), else a copy."""
-    try:
-        os.link(src, dst)
-        return dst
-    except OSError:
-        return shutil.copy2(src, dst)
