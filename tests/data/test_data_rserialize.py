@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from remoe.data.builtin import austen_db_base, read_austen_books
-from remoe.data.rserialize import (INTSXP, LISTSXP, STRSXP, VECSXP, RFormatError, read_lazyload_db,
-                                   read_rds, unserialize)
+from remoe.data.rfiles import read_lazyload_db, read_rds
+from remoe.data.rserialize import INTSXP, LISTSXP, STRSXP, VECSXP, RFormatError, unserialize
 
 # -- a tiny hand-written XDR serializer (only what the tests need) -----------------------------
 

@@ -11,7 +11,8 @@ from remoe.data.corpus import (Corpus, assign_splits, collect_corpus, iter_docum
                                split_unit, write_documents)
 from remoe.data.documents import SPLITS, Document
 from remoe.data.pipeline import DataBundle, load_documents, load_prepared, prepare_data
-from remoe.data.rserialize import RFormatError, RObject, read_lazyload_db, read_rds, unserialize
+from remoe.data.rfiles import read_lazyload_db, read_rds
+from remoe.data.rserialize import RFormatError, RObject, unserialize
 from remoe.data.sampler import TrainBatches, eval_batches
 from remoe.data.store import Batch, ChunkTable, TokenStore
 from remoe.data.tokenizer import (EOS_TOKEN, load_hf_tokenizer, load_tokenizer, save_tokenizer,
