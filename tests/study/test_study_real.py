@@ -33,7 +33,22 @@ def test_real_micro_study_runs_tabulates_and_resumes(tmp_path):
     assert row["state"] == "done" and float(row["val_loss"]) == summary["val_loss"]
     assert row["inactive_source"] == "masks@3"
     assert "| `relu` | 1/1 |" in (out / "results.md").read_text()
+    # --results-only rebuilds the tables from the run directories
+    (out / "results.md").unlink()
+    assert main(["study", str(path), "--out", str(out), "--results-only", "--no-report"]) == 0
+    assert "| `relu` | 1/1 |" in (out / "results.md").read_text()
     # run again: nothing is trained again (the log gets no new attempt)
     log = (out / "logs/relu-s0.log").read_text()
     assert main(["study", str(path), "--out", str(out), "--no-report"]) == 0
     assert (out / "logs/relu-s0.log").read_text() == log
+
+
+def test_results_only_needs_a_study_directory(tmp_path, capsys):
+    spec = {"budget": "none", "base": {"model": {"preset": "micro"}},
+            "groups": [{"name": "g", "runs": [{"label": "relu"}]}]}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["study", str(path), "--out", str(tmp_path / "nothing"), "--results-only"])
+    err = capsys.readouterr().err
+    assert code != 0 and "holds no study runs" in err and err.count("\n") == 1
+    assert not (tmp_path / "nothing").exists()  # nothing written where no study is

@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         dry_run(study, gflops=args.gflops)
         return 0
     status = 0
+    if args.results_only and not (out / "runs").is_dir():
+        raise ConfigError(f"--out={str(out)!r} holds no study runs (no runs/ directory): "
+                          "run the study first, or give the --out it ran with")
     if not args.results_only:
         status = study.run()
     state = None
