@@ -66,14 +66,13 @@ def _fmt_s(s: float) -> str:
 def dry_run(study, log=print, gflops: float | None = None) -> dict:
     """Print the runs and the estimated CPU time; returns the totals."""
     from remoe.study import estimate
+    from remoe.study.children import read_json, same_experiment
+    from remoe.study.runconfig import apply_stop
 
     if gflops is not None and not gflops > 0:
         raise ConfigError(f"--gflops={gflops} must be > 0")
     measured = gflops is None
     gflops = estimate.probe_gflops() if measured else gflops
-    from remoe.study.children import read_json, same_experiment
-    from remoe.study.runconfig import apply_stop
-
     flops_of: dict[str, float] = {}
     rows, todo, total_s, total_flops = [], [], 0.0, 0.0
     for r in study.spec.runs:  # every finished run calibrates the rate, selected or not
@@ -130,10 +129,10 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
             f"per thread-second of training, under the load they ran with): ~{_fmt_s(calibrated)} "
             f"wall with --jobs {study.jobs} x {study.threads} thread(s)")
     if study.spec.eval_tasks:
-        todo = sum(not study.done(r) for r, *_ in rows)
+        n_eval = sum(not study.done(r) for r, *_ in rows)
         log(f"then zero-shot tasks ({study.spec.eval_tasks}"
             f"{f', at most {study.spec.eval_limit} examples each' if study.spec.eval_limit else ''}"
-            f") on {todo} run(s) without them: `remoe eval --no-loss`, not in the estimate")
+            f") on {n_eval} run(s) without them: `remoe eval --no-loss`, not in the estimate")
     return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall,
             "achieved_gflops": rate, "calibrated_wall_s": calibrated}
 
