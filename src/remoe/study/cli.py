@@ -75,21 +75,23 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
     gflops = estimate.probe_gflops() if measured else gflops
     flops_of: dict[str, float] = {}
     rows, todo, total_s, total_flops = [], [], 0.0, 0.0
-    for r in study.spec.runs:  # every finished run calibrates the rate, selected or not
-        summary = study.summary(r)
-        if summary is not None:
-            flops_of[r.name] = float(summary.get("flops") or 0.0)
-    finished = [(flops_of[r.name], float(study.summary(r).get("elapsed_s") or 0.0),
-                 _run_threads(study.run_dir(r))) for r in study.spec.runs if r.name in flops_of]
+    summaries = {r.name: s for r in study.spec.runs if (s := study.summary(r)) is not None}
+    finished = []  # every finished run calibrates the rate, selected or not
+    for r in study.spec.runs:
+        if r.name in summaries:
+            flops_of[r.name] = float(summaries[r.name].get("flops") or 0.0)
+            finished.append((flops_of[r.name], float(summaries[r.name].get("elapsed_s") or 0.0),
+                             _run_threads(study.run_dir(r))))
     elsewhere = study.finished_elsewhere() if study.reuse else []
     for r in study.selected():
-        summary = study.summary(r)
+        summary = summaries.get(r.name)
         if summary is not None:
             rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
             continue
         match = flops_of.get(r.match_of) if r.match_of else None
         cfg = apply_stop(r, study.runs_dir, study.threads, match)
-        src = next((p for p, c in elsewhere if c == same_experiment(cfg)), None)
+        want = same_experiment(cfg) if elsewhere else None
+        src = next((p for p, c in elsewhere if c == want), None)
         if src is not None and not study.has_checkpoint(r):
             summary = read_json(src / "summary.json") or {}
             flops_of[r.name] = float(summary.get("flops") or 0.0)
