@@ -44,7 +44,11 @@ def eval_done(run_dir: Path, tasks: str, limit: int | None) -> bool:
 def comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config as the experiment loader resolves it, minus the fields that do not matter
     (the data cache is compared by its real path: a symlinked checkout reads the same files)."""
-    d = load_run_config(cfg).to_dict()
+    return _comparable(load_run_config(cfg))
+
+
+def _comparable(exp) -> dict[str, Any]:
+    d = exp.to_dict()
     for section, key in IGNORED_FIELDS:
         d.get(section, {}).pop(key, None)
     if d.get("data", {}).get("cache_dir"):
@@ -59,12 +63,12 @@ PLACE_FIELDS = (("run", "name"), ("run", "out_dir"))
 def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
     """:func:`comparable` without where the run lives: two runs equal under it trained the same
     model on the same data with the same seed, whichever study made them."""
-    d = comparable(cfg)
+    exp = load_run_config(cfg)
+    d = _comparable(exp)
     for section, key in PLACE_FIELDS:
         d.get(section, {}).pop(key, None)
     # the model as built (preset and defaults applied): `granularity: 1` written out or left
     # to its default is the same model
-    exp = load_run_config(cfg)
     d["model"] = exp.model_config(vocab_size=exp.data.vocab_size).to_dict()
     d["model"].pop("transformers_version", None)
     return d
