@@ -235,3 +235,10 @@ def test_reuse_takes_identical_finished_runs_from_another_study(write_spec, tmp_
     # the matched run stopped at the adopted reference's FLOPs
     ref = json.loads(src.read_text())["flops"]
     assert f"max_flops: {ref}" in (b_out / "configs/flops-dense-s0.yaml").read_text()
+    # the study resumed (with or without --reuse): the adopted runs, whose saved configs carry
+    # their old names and directories, are the same experiments and are kept, not refused
+    n_calls = len(_calls(b_out))
+    for reuse in ((a_out,), ()):
+        assert Study(load_spec(b_spec), b_out, command=stub_command, reuse=reuse).run(
+            poll_s=0.02) == 0
+    assert len(_calls(b_out)) == n_calls

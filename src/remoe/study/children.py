@@ -16,9 +16,10 @@ import yaml
 
 from remoe.study.runconfig import load_run_config
 
-#: config fields that may differ between a run's saved config and the study's without making
-#: it another experiment (threads follow --jobs; the trainer resolves the cache path)
-IGNORED_FIELDS = (("train", "num_threads"),)
+#: Config fields that may differ between two runs of the same experiment: threads (they follow
+#: --jobs) and where the run lives (a run taken over with ``remoe study --reuse`` keeps the name
+#: and directory it was trained under).
+NOT_THE_EXPERIMENT = (("train", "num_threads"), ("run", "name"), ("run", "out_dir"))
 
 
 def default_command(config_path: Path, flags: list[str]) -> list[str]:
@@ -41,32 +42,17 @@ def eval_done(run_dir: Path, tasks: str, limit: int | None) -> bool:
     return any(m.get("zero_shot") for m in doc.get("models") or [])
 
 
-def comparable(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config as the experiment loader resolves it, minus the fields that do not matter
-    (the data cache is compared by its real path: a symlinked checkout reads the same files)."""
-    return _comparable(load_run_config(cfg))
-
-
-def _comparable(exp) -> dict[str, Any]:
+def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config as the experiment loader resolves it, minus the fields that do not change the
+    experiment (threads, where the run lives; the data cache is compared by its real path: a
+    symlinked checkout reads the same files). Two runs equal under it trained the same model on
+    the same data with the same seed, whichever study made them."""
+    exp = load_run_config(cfg)
     d = exp.to_dict()
-    for section, key in IGNORED_FIELDS:
+    for section, key in NOT_THE_EXPERIMENT:
         d.get(section, {}).pop(key, None)
     if d.get("data", {}).get("cache_dir"):
         d["data"]["cache_dir"] = os.path.realpath(d["data"]["cache_dir"])
-    return d
-
-
-#: What may differ between two runs that are the same experiment (``remoe study --reuse``).
-PLACE_FIELDS = (("run", "name"), ("run", "out_dir"))
-
-
-def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
-    """:func:`comparable` without where the run lives: two runs equal under it trained the same
-    model on the same data with the same seed, whichever study made them."""
-    exp = load_run_config(cfg)
-    d = _comparable(exp)
-    for section, key in PLACE_FIELDS:
-        d.get(section, {}).pop(key, None)
     # the model as built (preset and defaults applied): `granularity: 1` written out or left
     # to its default is the same model
     d["model"] = exp.model_config(vocab_size=exp.data.vocab_size).to_dict()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
-from remoe.study.children import (atomic_write, comparable, config_diff, default_command,
+from remoe.study.children import (atomic_write, config_diff, default_command,
                                   die_with_parent, eval_command, eval_done, read_json, read_yaml,
                                   same_experiment, tail)
 from remoe.study.reuse import finished_runs, take_over
@@ -130,7 +130,7 @@ class Study:
             if not (self.summary(r) or self.has_checkpoint(r)):
                 continue  # nothing to keep: it restarts from scratch
             have = read_yaml(saved)
-            diff = config_diff(comparable(have), comparable(self.full_config(r))) if have else [
+            diff = config_diff(same_experiment(have), same_experiment(self.full_config(r))) if have else [
                 "config.yaml unreadable"]
             if diff:
                 bad.append(f"{r.name} ({'; '.join(diff[:3])})")
