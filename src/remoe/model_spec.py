@@ -225,6 +225,9 @@ class SparsityControlConfig:
     # an expert starves in a step when it gets at most this share of the step's tokens
     # (0: only an expert with no token; 1/64: paper Fig. 7's "inactive")
     revive_below: float = 0.0
+    # once revived, an expert stays under revival until it gets at least this share of a step's
+    # tokens (0: until it is above revive_below again; k/E: back at its fair share)
+    revive_until: float = 0.0
 
     def validate(self, p: str = "model.") -> None:
         _need(_real(self.alpha) and self.alpha > 1.0,
@@ -239,6 +242,10 @@ class SparsityControlConfig:
         _need(_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
               f"{p}revive_below={self.revive_below!r} must be a number in [0, 1) (a share of "
               "the step's tokens)")
+        _need(_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
+                                            < self.revive_until < 1.0),
+              f"{p}revive_until={self.revive_until!r} must be 0 (off) or a share of the step's "
+              f"tokens in (revive_below={self.revive_below!r}, 1)")
 
 
 SECTIONS = {"backbone": BackboneConfig, "routing": RoutingConfig, "control": SparsityControlConfig}

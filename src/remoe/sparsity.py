@@ -140,22 +140,32 @@ class LayerwiseLambdaController:
 class ExpertRevival:
     """Consecutive starving steps per (layer, expert); experts starving ``after`` steps in a
     row are dead. An expert starves in a step when it gets at most ``below`` of the step's
-    tokens (``below = 0``: only when it gets none)."""
+    tokens (``below = 0``: only when it gets none). With ``until > 0`` a dead expert stays dead
+    (its streak keeps growing) until a step gives it at least ``until`` of the tokens
+    (hysteresis: the revival hinge stays on until the expert is back near its fair share)."""
 
     after: int
     silent: list[list[int]] = field(default_factory=list)  # [L][N]
     below: float = 0.0
+    until: float = 0.0
 
     def update(self, counts_LN, num_tokens: float | None = None) -> list[list[bool]]:
         """Feed the step's routed-token counts [L][N] (and its token count, needed when
-        ``below > 0``); returns the dead mask [L][N]."""
+        ``below > 0`` or ``until > 0``); returns the dead mask [L][N]."""
         counts = [[float(v) for v in row] for row in counts_LN]
-        if self.below > 0 and num_tokens is None:
-            raise ValueError("ExpertRevival(below > 0) needs the step's token count")
+        if (self.below > 0 or self.until > 0) and num_tokens is None:
+            raise ValueError("ExpertRevival(below > 0 or until > 0) needs the step's token count")
         floor = self.below * num_tokens if self.below > 0 else 0.0
+        release = self.until * num_tokens if self.until > 0 else None
         if not self.silent:
             self.silent = [[0] * len(row) for row in counts]
-        self.silent = [[(s + 1) if c <= floor else 0 for s, c in zip(srow, crow)]
+
+        def starving(s: int, c: float) -> bool:
+            if release is not None and s >= self.after:
+                return c < release
+            return c <= floor
+
+        self.silent = [[(s + 1) if starving(s, c) else 0 for s, c in zip(srow, crow)]
                        for srow, crow in zip(self.silent, counts)]
         return self.dead()
 
@@ -163,7 +173,8 @@ class ExpertRevival:
         return [[s >= self.after for s in row] for row in self.silent]
 
     def state_dict(self) -> dict:
-        # ``below`` is configuration (model.revive_below), not state: it is not checkpointed
+        # ``below`` and ``until`` are configuration (model.revive_below / revive_until), not
+        # state: they are not checkpointed
         return {"after": self.after, "silent": [list(r) for r in self.silent]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -247,5 +258,6 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
     else:
         lam = one()
     after = getattr(cfg, "revive_after", 0)
-    revival = ExpertRevival(after, below=getattr(cfg, "revive_below", 0.0)) if after > 0 else None
+    revival = ExpertRevival(after, below=getattr(cfg, "revive_below", 0.0),
+                            until=getattr(cfg, "revive_until", 0.0)) if after > 0 else None
     return SparsityControl(lam, revival)

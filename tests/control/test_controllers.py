@@ -83,6 +83,30 @@ def test_revival_below_a_share_of_the_steps_tokens_counts_as_starving():
         ReMoEConfig.from_preset("micro", revive_below=1.5)
 
 
+def test_revival_until_keeps_a_revived_expert_dead_until_it_reaches_that_share():
+    # 128 tokens: starving at <= 2 tokens (1/64); released at >= 16 tokens (1/8)
+    r = ExpertRevival(after=2, below=1 / 64, until=1 / 8)
+    seq = [([[1]], False), ([[2]], True),   # two starving steps: dead
+           ([[3]], True), ([[15]], True),   # above `below` but under `until`: still dead
+           ([[16]], False),                 # at `until`: released, streak reset
+           ([[3]], False), ([[0]], False)]  # alive again: 3 is not starving, 0 starts a streak
+    for counts, dead in seq:
+        assert r.update(counts, 128) == [[dead]]
+    assert r.silent == [[1]]
+    # without `until` the same sequence releases the expert at the first step above `below`
+    plain = ExpertRevival(after=2, below=1 / 64)
+    assert [plain.update(c, 128)[0][0] for c, _ in seq] == [False, True, False, False, False,
+                                                            False, False]
+    cfg = ReMoEConfig.from_preset("micro", num_experts=2, revive_after=1, revive_below=0.25,
+                                  revive_until=0.5)
+    c = build_controller(cfg, 1)
+    c.update(0.5, [0.5], [[3, 13]], 16)
+    c.update(0.5, [0.5], [[6, 10]], 16)  # 6/16 > 1/4 but < 1/2: still under revival
+    assert c.dead_experts() == [[True, False]]
+    with pytest.raises(ConfigError, match=r"model.revive_until=0.1 must be 0 \(off\) or a share"):
+        ReMoEConfig.from_preset("micro", revive_below=0.25, revive_until=0.1)
+
+
 def test_sparsity_control_state_round_trip_and_format_guard():
     cfg = ReMoEConfig.from_preset("micro", num_experts=4, sparsity_control="per_layer",
                                   lambda_update="pi", revive_after=3)
