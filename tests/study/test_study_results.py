@@ -53,6 +53,7 @@ def test_relu_columns_from_metrics(write_spec, tmp_path):
                         "layer_sparsity": [s - 0.05, s + 0.05] if settled else [s, s],
                         "lambda": 1e-3 * (10.0 if step == 30 else 1.0) if settled else 1e-8,
                         "reg_loss": 1.0, "lm_loss": 5.0, "step_tokens": 64,
+                        "dead_experts": [0, 2] if step > 30 else [0, 0],
                         # layer 1, expert 3: no token (< 1/64: inactive); expert 2: 3/64
                         "expert_counts": [[16, 16, 16, 16], [30, 31, 3, 0]]})
     _fake_run(tmp_path / "out" / "runs", run, 4.0, {}, metrics)
@@ -63,6 +64,10 @@ def test_relu_columns_from_metrics(write_spec, tmp_path):
     assert row["layer_sparsity"] == "0.7000/0.8000"
     assert row["layer_dev_max"] == pytest.approx(0.05)
     assert row["lambda_log10_amp"] == pytest.approx(1.0)
+    # second half = steps 21-40: the lambda spike at 30 is in it; layer 1 had 2 dead experts
+    # in steps 31-40, none before: (0 * 20 + 2 * 10) / 40 layer-steps
+    assert row["lambda_log10_amp_late"] == pytest.approx(1.0)
+    assert row["dead_per_layer_late"] == pytest.approx(0.5)
     assert (row["inactive_experts"], row["num_experts_total"], row["inactive_source"]) == \
         (1, 8, "expert_counts")
     assert "Sparsity control" in md.read_text()

@@ -11,7 +11,10 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
   before it), ``layer_sparsity`` (per layer, mean over the steps from settling on) and
   ``layer_dev_max`` (max over layers of |mean - (1 - k/E)|), ``lambda_log10_amp`` (log10 of
   max/min lambda over the steps from settling on; with per-layer ``lambda_layers`` in the
-  metrics, the max over layers).
+  metrics, the max over layers); over the second half of the run (steps after half the last
+  step, past the settling transient whatever its length): ``lambda_log10_amp_late`` (the same
+  span) and ``dead_per_layer_late`` (the mean of ``dead_experts``, the experts of a layer that
+  got no token in the step, over those steps and the layers).
 * ``inactive_experts``: experts (over all layers) that received fewer than 1/64 of the tokens
   (the ``remoe analyze`` definition, :data:`remoe.analysis.routing.INACTIVE_RATIO`), counted on
   the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
@@ -43,7 +46,9 @@ NUMERIC = [("val_loss", "val loss", ".4f"), ("flops", "train FLOPs", ".3g"),
 RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOPs to settle", ".3g"),
                 ("layer_dev_max", "max layer dev. from target", ".3f"),
                 ("inactive_experts", "inactive experts", ".1f"),
-                ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f")]
+                ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f"),
+                ("lambda_log10_amp_late", "lambda log10 amp. (2nd half)", ".2f"),
+                ("dead_per_layer_late", "dead experts / layer / step (2nd half)", ".2f")]
 
 
 def _finite(v: Any) -> bool:
@@ -132,6 +137,11 @@ def run_row(run_dir: Path) -> dict[str, Any]:
                 row["layer_sparsity"] = "/".join(f"{v:.4f}" for v in mean_L)
                 row["layer_dev_max"] = float(np.nanmax(np.abs(mean_L - target)))
             row["lambda_log10_amp"] = lambda_amplitude(m.records, st.settle_step)
+        half = int(m.steps.max()) // 2
+        row["lambda_log10_amp_late"] = lambda_amplitude(m.records, half + 1)
+        dead = m.per_layer("dead_experts")[m.steps > half]
+        if dead.size and np.isfinite(dead).any():
+            row["dead_per_layer_late"] = float(np.nanmean(dead))
     row.update(zero_shot_row(run_dir))
     return row
 
