@@ -11,10 +11,11 @@ Options (``model.sparsity_control`` / ``model.lambda_update``; docs/CONTROL.md):
 
       log lambda += log(alpha) * clip(kp * (e_i - e_{i-1}) + ki * e_i, -1, 1)
 
-  far from the target (stage I: ``e`` up to E/k - 1) the step saturates at the paper's
-  ``alpha``, so settling is as fast; near the target it shrinks with the error, which removes
-  the stage-III limit cycle of the sign rule (a full ``alpha`` step every step, whatever the
-  error).
+  far from the target (``ki * e >= 1``; stage I: ``e`` up to E/k - 1) the step saturates at
+  the paper's ``alpha``; near the target it shrinks with the error, which removes the
+  stage-III limit cycle of the sign rule (a full ``alpha`` step every step, whatever the
+  error), but also makes the final approach slower (measured in docs/RESULTS.md; a larger
+  ``ki`` keeps full steps closer to the target).
 * ``sparsity_control="per_layer"``: one controller per MoE layer, each driven by its own
   layer's sparsity (:class:`LayerwiseLambdaController`).
 * :class:`ExpertRevival` counts, per layer and expert, the consecutive steps in which the
