@@ -12,8 +12,9 @@ forward+backward, each piece on its own with hot caches, on one thread:
 * router: the ``[T, D] @ [D, N]`` logits GEMM and its two backward GEMMs;
 
 against the bench's ``dense`` row (a dense SwiGLU of the active width, forward+backward).
-The sum is optimistic (no routing imbalance, no plan, hot caches), so ``relu / dense`` can
-not go below ``floor / dense`` with these kernels. Usage:
+The sum is optimistic (no routing imbalance, no plan, hot caches): a layer built from these
+kernels is not expected below ``floor / dense`` beyond the round-to-round spread of the
+measurements. Usage:
 
     python scripts/layer_floor.py --experts 8 128 --granularity 1 64 [--json OUT]
 
