@@ -25,47 +25,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from remoe import allocator
-from remoe.bench.layer import LayerCase
+from remoe.bench.common import loadavg, machine_info, spread, time_interleaved
+from remoe.bench.layer import LayerCase, build_rows, step_fn
 from remoe.model.experts import fused_rows
-from remoe.model.moe import DenseFFN, MoEConfig
-
-
-def _cpu_ms(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times) * 1e3
 
 
 def pieces(case: LayerCase, seed: int = 0) -> dict:
-    """``{piece: callable}`` for one case (each callable does that piece of one fwd+bwd)."""
+    """``{piece: callable}`` for one case (each callable does that piece of one fwd+bwd); the
+    ``dense`` piece is the bench's own ``dense`` row."""
+    x, ctx, mods = build_rows(case, rows=("dense",), seed=seed)
     g = torch.Generator().manual_seed(seed)
+    gy = torch.randn(x.shape, generator=g)
     T, D, N, H = case.T, case.d_model, case.N, case.H
     P = T * case.k * case.G
     m = P // N  # rows per expert, exactly balanced
-    dense = DenseFFN(MoEConfig(d_model=D, d_ffn=case.d_ffn * case.k, num_experts=case.E,
-                               top_k=case.k, router="dense"))
-    x = torch.randn(1, T, D, generator=g, requires_grad=True)
-    gy = torch.randn(1, T, D, generator=g)
-
-    def dense_step():
-        y, _ = dense(x)
-        (y * gy).sum().backward()
-        x.grad = None
-        for p in dense.parameters():
-            p.grad = None
-
     chunk = max(1, min(N, fused_rows(D, H) // max(1, m)))  # experts per cache-sized chunk
     w_in = torch.randn(N, D, 2 * H, generator=g) * 0.02
     w_out = torch.randn(N, H, D, generator=g) * 0.02
@@ -89,7 +68,7 @@ def pieces(case: LayerCase, seed: int = 0) -> dict:
 
     # token of each pair, grouped by expert (tokens ascending inside a group, as dispatch.plan)
     tok = torch.cat([torch.randperm(T, generator=g)[:m].sort().values for _ in range(N)])
-    x2, dy2 = x.detach()[0], gy[0]
+    x2, dy2 = x.reshape(T, D), gy.reshape(T, D)
     rows = chunk * m
     buf, acc = torch.empty(rows, D), torch.zeros(T, D)
 
@@ -111,26 +90,28 @@ def pieces(case: LayerCase, seed: int = 0) -> dict:
         dlogits @ w_r.t()
         x2.t() @ dlogits
 
-    return {"dense": dense_step, "expert_gemms": expert_gemms,
+    return {"dense": step_fn(mods["dense"], x, ctx, gy), "expert_gemms": expert_gemms,
             "gather_scatter": gather_scatter, "router": router}
 
 
 def measure(case: LayerCase, reps: int = 5, rounds: int = 3) -> dict:
-    """Median CPU ms of each piece over ``rounds`` (pieces interleaved in every round) and the
-    floor's ratio to ``dense``: the median of the per-round ratios, with their range."""
+    """Median CPU ms of each piece over ``rounds`` (each round: ``reps`` calls of every piece,
+    interleaved by :func:`remoe.bench.common.time_interleaved`) and the floor's ratio to
+    ``dense``: the median of the per-round ratios, with their range."""
     fns = pieces(case)
     per_round = {k: [] for k in fns}
     for _ in range(rounds):
-        for k, fn in fns.items():
-            per_round[k].append(_cpu_ms(fn, reps))
+        for k, smp in time_interleaved(fns, reps).items():
+            per_round[k].append(1e3 * smp.cpu)
     rest = [k for k in fns if k != "dense"]
     ratios = {k: [v / d for v, d in zip(per_round[k], per_round["dense"])] for k in rest}
     ratios["floor"] = [sum(per_round[k][i] for k in rest) / per_round["dense"][i]
                        for i in range(rounds)]
     ms = {k: statistics.median(v) for k, v in per_round.items()}
+    floor = spread(ratios["floor"])
     return {"case": case.name, "cpu_ms": ms, "floor_ms": sum(ms[k] for k in rest),
             "vs_dense": {k: statistics.median(v) for k, v in ratios.items()},
-            "floor_vs_dense_range": [min(ratios["floor"]), max(ratios["floor"])]}
+            "floor_vs_dense_range": [floor["min"], floor["max"]]}
 
 
 def main() -> None:
@@ -160,8 +141,8 @@ def main() -> None:
                   f"{v['router']:.2f}  (dense {r['cpu_ms']['dense']:.0f} ms CPU)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": 1, "allocator": alloc, "metric": "cpu_ms (median)",
-                       "loadavg_end": os.getloadavg(), "cases": out}, f, indent=1)
+            json.dump({"machine": {**machine_info(alloc), "loadavg_end": loadavg()},
+                       "metric": "cpu_ms (median)", "cases": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,9 @@ def build_rows(case: LayerCase, rows: tuple[str, ...] = ROWS, seed: int = 0):
     return x, ctx, mods
 
 
-def _step_fn(mod, x, ctx, gy):
+def step_fn(mod, x, ctx, gy):
+    """One forward+backward of a row's module on ``x`` against the output gradient ``gy``
+    (parameter and input gradients dropped after each call, as in training)."""
     xg = x.detach().requires_grad_(True)
     params = list(mod.parameters())
     is_hf = not isinstance(mod, (MoELayer, DenseFFN))
@@ -253,7 +255,7 @@ def measure_row(case: LayerCase, row: str, reps: int, memory: bool = True,
     the load beside it (load average, cores other processes kept busy during the calls)."""
     x, ctx, mods = build_rows(case, (row,))
     mod = mods[row]
-    fn = _step_fn(mod, x, ctx, torch.randn_like(x))
+    fn = step_fn(mod, x, ctx, torch.randn_like(x))
     load = loadavg()
     meter = OthersMeter()
     meter.start()
