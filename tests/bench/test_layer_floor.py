@@ -31,9 +31,10 @@ def test_floor_is_the_sum_of_its_pieces_relative_to_dense():
 
 def test_cli_skips_cases_the_bench_does_not_have_and_writes_json(tmp_path):
     out = tmp_path / "floor.json"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--experts", "8", "16", "--granularity",
-                        "1", "2", "--tokens", "256", "--reps", "1", "--rounds", "1", "--json", str(out)],
-                       capture_output=True, text=True, check=True)
+    args = ["--experts", "8", "16", "--granularity", "1", "2", "--tokens", "256", "--reps", "1",
+            "--rounds", "1", "--json", str(out)]
+    p = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                       check=True)
     cases = [c["case"] for c in json.loads(out.read_text())["cases"]]
     assert cases == ["E=8 G=1 k=1", "E=8 G=2 k=1", "E=16 G=1 k=1"]
     assert p.stdout.count("floor") == 3

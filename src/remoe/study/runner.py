@@ -130,8 +130,8 @@ class Study:
             if not (self.summary(r) or self.has_checkpoint(r)):
                 continue  # nothing to keep: it restarts from scratch
             have = read_yaml(saved)
-            diff = config_diff(same_experiment(have), same_experiment(self.full_config(r))) if have else [
-                "config.yaml unreadable"]
+            want = same_experiment(self.full_config(r))
+            diff = config_diff(same_experiment(have), want) if have else ["config.yaml unreadable"]
             if diff:
                 bad.append(f"{r.name} ({'; '.join(diff[:3])})")
         if bad:
