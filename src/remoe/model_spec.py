@@ -34,6 +34,9 @@ ROUTERS = tuple(registry.BUILTINS)
 REG_TYPES = ("lb", "l1")
 SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
 LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
+#: what happens to a dead expert: a hinge pulls its router row back | it becomes a copy of the
+#: busiest expert of its layer (remoe.train.revive_split)
+REVIVE_METHODS = ("hinge", "split")
 EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference", "measured")
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 #: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section
@@ -228,6 +231,9 @@ class SparsityControlConfig:
     # once revived, an expert stays under revival until it gets at least this share of a step's
     # tokens (0: until it is above revive_below again; k/E: back at its fair share)
     revive_until: float = 0.0
+    # hinge: the revival hinge pulls a dead expert's router row back toward its nearest tokens;
+    # split: one dead expert per layer and step becomes a copy of the busiest live expert
+    revive_method: str = "hinge"
 
     def validate(self, p: str = "model.") -> None:
         _need(_real(self.alpha) and self.alpha > 1.0,
@@ -236,6 +242,7 @@ class SparsityControlConfig:
               f"{p}lambda0={self.lambda0!r} must be a positive finite number")
         _one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
         _one_of(self, "lambda_update", LAMBDA_UPDATES, p)
+        _one_of(self, "revive_method", REVIVE_METHODS, p)
         _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki"), p)
         _need(_int(self.revive_after) and self.revive_after >= 0,
               f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")

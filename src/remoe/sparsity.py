@@ -20,7 +20,8 @@ Options (``model.sparsity_control`` / ``model.lambda_update``; docs/CONTROL.md):
   layer's sparsity (:class:`LayerwiseLambdaController`).
 * :class:`ExpertRevival` counts, per layer and expert, the consecutive steps in which the
   expert received no token; experts silent for ``revive_after`` steps are handed to their
-  router's revival hinge (remoe.model.routers.relu).
+  router's revival hinge (remoe.model.routers.relu) or, with ``revive_method="split"``, made
+  copies of busy experts (remoe.train.revive_split).
 """
 
 from __future__ import annotations
@@ -143,12 +144,16 @@ class ExpertRevival:
     row are dead. An expert starves in a step when it gets at most ``below`` of the step's
     tokens (``below = 0``: only when it gets none). With ``until > 0`` a dead expert stays dead
     (its streak keeps growing) until a step gives it at least ``until`` of the tokens
-    (hysteresis: the revival hinge stays on until the expert is back near its fair share)."""
+    (hysteresis: the revival hinge stays on until the expert is back near its fair share).
+
+    ``method``: ``"hinge"`` (dead experts get their router's revival hinge) or ``"split"`` (the
+    trainer turns a dead expert into a copy of a busy one, then calls :meth:`revived`)."""
 
     after: int
     silent: list[list[int]] = field(default_factory=list)  # [L][N]
     below: float = 0.0
     until: float = 0.0
+    method: str = "hinge"
 
     def update(self, counts_LN, num_tokens: float | None = None) -> list[list[bool]]:
         """Feed the step's routed-token counts [L][N] (and its token count, needed when
@@ -173,9 +178,13 @@ class ExpertRevival:
     def dead(self) -> list[list[bool]]:
         return [[s >= self.after for s in row] for row in self.silent]
 
+    def revived(self, layer: int, expert: int) -> None:
+        """The expert was given a new start (split): its starving streak begins again."""
+        self.silent[layer][expert] = 0
+
     def state_dict(self) -> dict:
-        # ``below`` and ``until`` are configuration (model.revive_below / revive_until), not
-        # state: they are not checkpointed
+        # ``below``, ``until`` and ``method`` are configuration (model.revive_below /
+        # revive_until / revive_method), not state: they are not checkpointed
         return {"after": self.after, "silent": [list(r) for r in self.silent]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -260,5 +269,6 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
         lam = one()
     after = getattr(cfg, "revive_after", 0)
     revival = ExpertRevival(after, below=getattr(cfg, "revive_below", 0.0),
-                            until=getattr(cfg, "revive_until", 0.0)) if after > 0 else None
+                            until=getattr(cfg, "revive_until", 0.0),
+                            method=getattr(cfg, "revive_method", "hinge")) if after > 0 else None
     return SparsityControl(lam, revival)

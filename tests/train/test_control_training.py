@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from remoe.train.config import load_config
 from remoe.train.metrics import without_machine_keys
@@ -10,6 +11,9 @@ from remoe.train.trainer import Trainer
 
 OPTIONS = {"model.sparsity_control": "per_layer", "model.lambda_update": "pi",
            "model.revive_after": 1, "model.lambda0": 1e-3, "model.alpha": 2.0}
+# an expert under a quarter of the step's tokens starves: splits at every step
+SPLIT = {"model.lambda_update": "pi", "model.revive_after": 1, "model.revive_below": 0.25,
+         "model.revive_method": "split", "model.lambda0": 1e-3, "model.alpha": 2.0}
 
 
 def read(path):
@@ -38,14 +42,37 @@ def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_pa
         assert r["reviving"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
 
 
-def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash):
-    Trainer(load_config(None, make_overrides(tmp_path, "ref", **OPTIONS)), progress=False).train()
-    cfg = load_config(None, make_overrides(tmp_path, "cut", **OPTIONS))
+@pytest.mark.parametrize("options", [OPTIONS, SPLIT], ids=["per_layer_pi_hinge", "pi_split"])
+def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash, options):
+    Trainer(load_config(None, make_overrides(tmp_path, "ref", **options)), progress=False).train()
+    cfg = load_config(None, make_overrides(tmp_path, "cut", **options))
     train_then_crash(cfg, 3)
     Trainer(cfg, resume=True, progress=False).train()
     ref = without_machine_keys(read(tmp_path / "ref" / "metrics.jsonl"))
     got = without_machine_keys(read(tmp_path / "cut" / "metrics.jsonl"))
     assert got == ref
+
+
+def test_split_turns_a_starving_expert_into_a_copy_of_the_busiest(make_overrides, tmp_path):
+    cfg = load_config(None, make_overrides(tmp_path, "split", **SPLIT))
+    t = Trainer(cfg, progress=False)
+    splits = 0
+    for _ in range(cfg.train.max_steps):
+        rec = t.train_step()
+        floor = 0.25 * rec["step_tokens"]
+        for layer, (n, counts) in enumerate(zip(rec["split"], rec["expert_counts"])):
+            starving = [e for e, c in enumerate(counts) if c <= floor]
+            assert n == int(bool(starving) and len(starving) < len(counts))
+            if n:  # the longest-silent starving expert now holds the busiest one's w_in
+                experts = t.control.experts[layer]
+                b = max(range(len(counts)), key=lambda i: (counts[i], -i))
+                copies = [e for e in starving
+                          if torch.equal(experts.w_in_ND2H[e], experts.w_in_ND2H[b])]
+                assert len(copies) == 1
+                splits += 1
+    assert splits > 0
+    t.metrics.close()
+    t.evals.close()
 
 
 def test_per_layer_lambda_identical_on_two_ranks(one_vs_two_ranks):

@@ -384,6 +384,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         from remoe.model.expert_parallel import check_expert_parallel
 
         check_expert_parallel(spec.routing.router, spec.routing.num_experts * spec.routing.granularity)
+    if spec.control.revive_after and spec.control.revive_method == "split":
+        for name in ("expert_parallel", "fsdp"):  # a split copies rows across all experts
+            _check(not getattr(cfg.train, name), f"model.revive_method=split needs every "
+                   f"expert's weights on every rank; set train.{name}=false or use the hinge")
     _check(cfg.train.seq_len <= max_pos,
            f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
     return cfg

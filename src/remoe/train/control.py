@@ -1,9 +1,10 @@
 """The sparsity-control side of a training step (the trainer's view of remoe.sparsity).
 
 Before the step: the lambda(s) its loss uses and the experts whose revival hinge is on. After
-the optimizer update: each token router's ``after_step`` (the aux-loss-free bias update) and the
+the optimizer update: each token router's ``after_step`` (the aux-loss-free bias update), the
 controller's update from the step's statistics, reduced over all ranks, so that every rank
-holds the same lambda (checked at each checkpoint).
+holds the same lambda (checked at each checkpoint), and (``revive_method: split``) the splits
+of dead experts.
 """
 
 from __future__ import annotations
@@ -14,15 +15,23 @@ import torch
 import torch.distributed as dist
 
 from remoe.losses import StepStatistics
+from remoe.train.revive_split import pick_split, split_expert, split_generator
 
 
 class StepControl:
     """``controller``: a :class:`remoe.sparsity.SparsityControl` or None (no adaptive lambda);
-    ``token_routers``: the token router of every MoE layer, in the order of the counts' rows."""
+    ``token_routers``: the token router of every MoE layer, in the order of the counts' rows;
+    ``experts``: the expert module of each of those layers (needed by ``revive_method: split``)."""
 
-    def __init__(self, controller, token_routers: list) -> None:
+    def __init__(self, controller, token_routers: list, experts: list | None = None) -> None:
         self.controller = controller
         self.token_routers = token_routers
+        self.experts = experts
+        self.splits: list[int] | None = None  # experts split per layer in the last step
+
+    @property
+    def _revival(self):
+        return self.controller.revival if self.controller is not None else None
 
     def coeffs(self) -> tuple[float, list[float] | None]:
         """(lambda, per-layer lambdas or None) for this step's loss."""
@@ -32,7 +41,9 @@ class StepControl:
 
     def arm_revival(self) -> None:
         """Hand each ReLU router the experts whose revival hinge is on for this step."""
-        dead = self.controller.dead_experts() if self.controller else None
+        if self._revival is None or self._revival.method != "hinge":
+            return
+        dead = self.controller.dead_experts()
         if dead is None:
             return
         for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
@@ -47,6 +58,24 @@ class StepControl:
         if self.controller is not None:
             self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist(),
                                    num_tokens)
+
+    def split_dead(self, counts_LN: torch.Tensor, optimizer, seed: int, step: int) -> None:
+        """``revive_method: split``, after :meth:`after_step`: in each layer, the dead expert
+        silent longest becomes a copy of the step's busiest live expert (remoe.train.revive_split).
+        Every rank holds the same counts and streaks, so every rank makes the same splits."""
+        revival = self._revival
+        if revival is None or revival.method != "split" or not revival.silent:
+            return
+        self.splits = []
+        for layer, (dead_N, counts_N) in enumerate(zip(revival.dead(), counts_LN.tolist())):
+            pair = pick_split(dead_N, revival.silent[layer], counts_N)
+            if pair is not None:
+                e, b = pair
+                router, experts = self.token_routers[layer], self.experts[layer]
+                split_expert(router.weight, experts.w_in_ND2H, experts.w_out_NHD, e, b,
+                             split_generator(seed, step, layer), optimizer)
+                revival.revived(layer, e)
+            self.splits.append(int(pair is not None))
 
     @staticmethod
     def reg_term(coeff: float, reg: float, layer_coeffs: list[float] | None,
@@ -65,6 +94,8 @@ class StepControl:
         dead = self.controller.dead_experts() if self.controller else None
         if dead is not None:
             rec["reviving"] = [sum(row) for row in dead]  # experts under revival next step
+        if self.splits is not None:
+            rec["split"] = self.splits  # experts split in each layer at this step
         return rec
 
     def check_ranks_agree(self, device: torch.device, step: int) -> None:

@@ -109,11 +109,13 @@ class Trainer:
                      if tc.fsdp else None)
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
         # the token router of every MoE layer, in the order of the rows of the expert counts
-        self.token_routers = [r for r in (getattr(b.ffn, "router", None) for b in self.model.layers)
-                              if isinstance(r, Router)]
+        routed = [b.ffn for b in self.model.layers if isinstance(getattr(b.ffn, "router", None),
+                                                                   Router)]
+        self.token_routers = [f.router for f in routed]
         # the paper's single lambda by default; per-layer / PI / revival on request
         self.controller = build_controller(self.model_cfg, len(self.token_routers))
-        self.control = StepControl(self.controller, self.token_routers)
+        self.control = StepControl(self.controller, self.token_routers,
+                                   [getattr(f, "experts", None) for f in routed])
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -247,6 +249,7 @@ class Trainer:
                                     self.ckpt_root, self.fsdp or self.ep)
         stats = step_statistics(tot.counts_LN, tot.tokens)
         self.control.after_step(tot.counts_LN, stats, tot.tokens)
+        self.control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
