@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import yaml
 
-from remoe.study.results import lambda_amplitude, mean_std, write_results
+from remoe.study.results import inactive_floor, lambda_amplitude, mean_std, write_results
 from remoe.study.runconfig import apply_stop
 from remoe.study.spec import load_spec
 
@@ -70,7 +71,20 @@ def test_relu_columns_from_metrics(write_spec, tmp_path):
     assert row["dead_per_layer_late"] == pytest.approx(0.5)
     assert (row["inactive_experts"], row["num_experts_total"], row["inactive_source"]) == \
         (1, 8, "expert_counts")
+    assert row["inactive_floor"] == 0  # one expert per token in each layer: room for 64
     assert "Sparsity control" in md.read_text()
+
+
+def test_inactive_floor_counts_what_the_layer_densities_force():
+    # layer 0: 32 experts, 20/64 of an expert per token (spread evenly: every one inactive),
+    # room for 20 at 1/64 each -> at least 12 inactive; layer 1: one expert per token -> none
+    thin = np.full(32, 20 / 64 / 32)
+    full = np.full(32, 1 / 32)
+    assert inactive_floor(np.stack([thin, full])) == 12
+    # exactly 2/64 in a layer of 4 experts: room for exactly 2 (no rounding loss)
+    assert inactive_floor(np.array([[1 / 64, 1 / 64, 0.0, 0.0]])) == 2
+    # a different threshold: 1/8 of the tokens, a = 0.5 -> room for 4 of 8
+    assert inactive_floor(np.full((1, 8), 0.5 / 8), threshold=1 / 8) == 4
 
 
 def test_lambda_amplitude_takes_the_worst_layer():

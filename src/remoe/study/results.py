@@ -20,6 +20,9 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
   the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
   without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
   (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
+  ``inactive_floor``: the fewest inactive experts the same routed shares allow whatever the
+  balance (:func:`inactive_floor`): a layer whose tokens use ``a`` experts on average has room
+  for at most ``floor(64 a)`` experts at 1/64 of the tokens each.
 
 * ``zs:<task column>`` and ``zs:avg``: zero-shot accuracy (%) from ``RUN/eval_results.json``
   (``remoe eval RUN --tasks ...``, which a spec's ``eval:`` section runs on every trained run),
@@ -46,6 +49,7 @@ NUMERIC = [("val_loss", "val loss", ".4f"), ("flops", "train FLOPs", ".3g"),
 RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOPs to settle", ".3g"),
                 ("layer_dev_max", "max layer dev. from target", ".3f"),
                 ("inactive_experts", "inactive experts", ".1f"),
+                ("inactive_floor", "fewest inactive the layer densities allow", ".1f"),
                 ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f"),
                 ("lambda_log10_amp_late", "lambda log10 amp. (2nd half)", ".2f"),
                 ("dead_per_layer_late", "dead experts / layer / step (2nd half)", ".2f")]
@@ -55,13 +59,13 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, int | None, str | None]:
-    """(inactive, total, source) per the module docstring; (None, None, None) for dense runs."""
-    from remoe.analysis.routing import INACTIVE_RATIO
+def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None, str | None]:
+    """(share of the tokens routed to each expert [L, N], source) per the module docstring;
+    (None, None) for dense runs or without routing records."""
     from remoe.analysis.runlog import load_masks
 
     if target_sparsity is None:
-        return None, None, None
+        return None, None
     files = run.mask_files()
     if files:
         step, path = files[-1]
@@ -70,18 +74,40 @@ def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, in
         except (OSError, ValueError, KeyError):
             masks_LTN = None
         if masks_LTN is not None and masks_LTN.shape[1] > 0:
-            ratio_LN = masks_LTN.mean(axis=1)
-            return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), f"masks@{step}"
+            return masks_LTN.mean(axis=1), f"masks@{step}"
     recs = [r for r in run.metrics.records if isinstance(r.get("expert_counts"), list)]
     if not recs:
-        return None, None, None
+        return None, None
     tail = recs[len(recs) - max(1, math.ceil(0.1 * len(recs))):]
     counts_LN = np.sum([np.asarray(r["expert_counts"], dtype=np.float64) for r in tail], axis=0)
     tokens = float(sum(r.get("step_tokens", 0) for r in tail))
     if counts_LN.ndim != 2 or tokens <= 0:
+        return None, None
+    return counts_LN / tokens, "expert_counts"
+
+
+def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, int | None, str | None]:
+    """(inactive, total, source) per the module docstring; (None, None, None) for dense runs."""
+    from remoe.analysis.routing import INACTIVE_RATIO
+
+    ratio_LN, source = routed_ratio(run, target_sparsity)
+    if ratio_LN is None:
         return None, None, None
-    ratio_LN = counts_LN / tokens
-    return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), "expert_counts"
+    return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), source
+
+
+def inactive_floor(ratio_LN: np.ndarray, threshold: float | None = None) -> int:
+    """The fewest inactive experts the layers' densities allow: a layer whose token gets
+    ``a = sum_e ratio_e`` experts on average can give at most ``floor(a / threshold)`` experts a
+    share of ``threshold`` or more each, so at least ``N - floor(a / threshold)`` are inactive
+    however evenly its load is spread."""
+    from remoe.analysis.routing import INACTIVE_RATIO
+
+    t = INACTIVE_RATIO if threshold is None else threshold
+    n = ratio_LN.shape[1]
+    # a tiny tolerance: a layer at exactly a = m * t must not lose one to rounding
+    fit_L = np.floor(ratio_LN.sum(axis=1) / t + 1e-9)
+    return int(np.clip(n - fit_L, 0, n).sum())
 
 
 def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float | None:
@@ -103,6 +129,7 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
 
 def run_row(run_dir: Path) -> dict[str, Any]:
     """The numbers of one finished run (see the module docstring)."""
+    from remoe.analysis.routing import INACTIVE_RATIO
     from remoe.analysis.runlog import Run
     from remoe.stages import detect_stages
 
@@ -118,8 +145,13 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     mc = run.model_config
     target = run.target_sparsity
     row["target_sparsity"] = target
-    inactive, total, source = inactive_experts(run, target)
-    row.update(inactive_experts=inactive, num_experts_total=total, inactive_source=source)
+    ratio_LN, source = routed_ratio(run, target)
+    if ratio_LN is not None:
+        row.update(inactive_experts=int((ratio_LN < INACTIVE_RATIO).sum()),
+                   num_experts_total=int(ratio_LN.size), inactive_source=source,
+                   inactive_floor=inactive_floor(ratio_LN))
+    else:
+        row.update(inactive_experts=None, num_experts_total=None, inactive_source=None)
     m = run.metrics
     adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.registry)
     if adaptive and len(m) and m.has("sparsity") and target is not None:
