@@ -152,6 +152,9 @@ class RoutingConfig:
     reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
     revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge
     max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
+    # ReLU: gates ReLU(x W + b) with a per-expert offset b moved by this much per step toward
+    # balanced loads (auxiliary-loss-free balancing; 0: off, the paper)
+    balance_bias_rate: float = 0.0
     gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
     topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
     lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
@@ -190,7 +193,10 @@ class RoutingConfig:
         _need(self.top_k <= self.num_experts,
               f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
         _nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
-                                  "blockffn_locality_coeff"), p)
+                                  "blockffn_locality_coeff", "balance_bias_rate"), p)
+        _need(self.balance_bias_rate == 0 or self.router == "relu",
+              f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of the ReLU router, "
+              f"not {p}router={self.router!r} (topk_auxfree has bias_update_rate)")
         _need(_int(self.max_active) and self.max_active >= 0,
               f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
         _need(isinstance(self.topk_normalize, bool),

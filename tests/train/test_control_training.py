@@ -14,6 +14,8 @@ OPTIONS = {"model.sparsity_control": "per_layer", "model.lambda_update": "pi",
 # an expert under a quarter of the step's tokens starves: splits at every step
 SPLIT = {"model.lambda_update": "pi", "model.revive_after": 1, "model.revive_below": 0.25,
          "model.revive_method": "split", "model.lambda0": 1e-3, "model.alpha": 2.0}
+BIAS = {"model.lambda_update": "pi", "model.balance_bias_rate": 0.01, "model.lambda0": 1e-3,
+        "model.alpha": 2.0}
 
 
 def read(path):
@@ -42,7 +44,8 @@ def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_pa
         assert r["reviving"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
 
 
-@pytest.mark.parametrize("options", [OPTIONS, SPLIT], ids=["per_layer_pi_hinge", "pi_split"])
+@pytest.mark.parametrize("options", [OPTIONS, SPLIT, BIAS],
+                         ids=["per_layer_pi_hinge", "pi_split", "pi_balance_bias"])
 def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash, options):
     Trainer(load_config(None, make_overrides(tmp_path, "ref", **options)), progress=False).train()
     cfg = load_config(None, make_overrides(tmp_path, "cut", **options))
@@ -51,6 +54,19 @@ def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash, op
     ref = without_machine_keys(read(tmp_path / "ref" / "metrics.jsonl"))
     got = without_machine_keys(read(tmp_path / "cut" / "metrics.jsonl"))
     assert got == ref
+
+
+def test_balance_bias_follows_the_logged_loads(make_overrides, tmp_path):
+    from remoe.model.routers.topk_auxfree import bias_update
+
+    cfg = load_config(None, make_overrides(tmp_path, "bias", **BIAS))
+    t = Trainer(cfg, progress=False)
+    t.train()
+    recs = read(tmp_path / "bias" / "metrics.jsonl")
+    for layer, router in enumerate(t.token_routers):  # the sum of each step's centred sign step
+        want = sum(bias_update(torch.tensor(r["expert_counts"][layer]), 0.01) for r in recs)
+        assert torch.allclose(router.expert_bias_N.double(), want, atol=1e-6)
+        assert router.expert_bias_N.abs().sum() > 0
 
 
 def test_split_turns_a_starving_expert_into_a_copy_of_the_busiest(make_overrides, tmp_path):

@@ -37,6 +37,7 @@ class MoEConfig:
     lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
     revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge (when asked for)
     max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
+    balance_bias_rate: float = 0.0  # ReLU: step of the per-expert balancing offset (0: off)
     gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
     topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
     capacity_factor: float = 1.0  # expert choice

@@ -74,6 +74,9 @@ class StepControl:
                 router, experts = self.token_routers[layer], self.experts[layer]
                 split_expert(router.weight, experts.w_in_ND2H, experts.w_out_NHD, e, b,
                              split_generator(seed, step, layer), optimizer)
+                bias_N = getattr(router, "expert_bias_N", None)  # balance_bias_rate
+                if bias_N is not None:
+                    bias_N[e] = bias_N[b]
                 revival.revived(layer, e)
             self.splits.append(int(pair is not None))
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.topk_auxfree import bias_update
 
 
 def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
@@ -56,14 +57,21 @@ class ReLURouter(Router):
     Options (all off by default, which is the paper's router): ``max_active`` caps the experts
     a token may use (the largest gates are kept); ``gate_threshold`` tau, at inference only,
     counts gates <= tau as inactive (a compute dial; tau = 0 is the plain ReLU router);
-    :meth:`set_dead_experts` switches on the revival hinge for the given experts.
+    :meth:`set_dead_experts` switches on the revival hinge for the given experts;
+    ``balance_bias_rate`` r > 0 makes the gates ``ReLU(x W + b)`` with a per-expert offset ``b``
+    (a buffer, no gradient) that :meth:`after_step` moves by the centred sign step of the
+    auxiliary-loss-free balancer (:func:`bias_update`): ``+r`` for an expert under its layer's
+    mean load, ``-r`` over it. A starving expert's offset rises until tokens cross zero again,
+    so it gets gradients back; the sum of the offsets stays 0, so the layer's density is left
+    to lambda.
     """
 
     uses_adaptive_reg = True
 
     def __init__(self, d_model: int, num_experts: int, target_density: float,
                  load_balance: bool = True, init_std: float = 0.02, max_active: int = 0,
-                 gate_threshold: float = 0.0, revive_coeff: float = 1e-2) -> None:
+                 gate_threshold: float = 0.0, revive_coeff: float = 1e-2,
+                 balance_bias_rate: float = 0.0) -> None:
         super().__init__(d_model, num_experts, init_std)
         self.target_density = target_density  # k/E
         self.load_balance = load_balance
@@ -71,13 +79,17 @@ class ReLURouter(Router):
         self.gate_threshold = float(gate_threshold)
         self.revive_coeff = float(revive_coeff)
         self._dead_N: Tensor | None = None  # experts under revival (set between steps)
+        self.balance_bias_rate = float(balance_bias_rate)
+        if self.balance_bias_rate > 0:  # off: no buffer, the paper's state dict
+            self.register_buffer("expert_bias_N", torch.zeros(num_experts, dtype=torch.float32),
+                                 persistent=True)
 
     @classmethod
     def from_config(cls, cfg) -> "ReLURouter":
         return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
                    load_balance=cfg.reg_type == "lb", init_std=cfg.init_std,
                    max_active=cfg.max_active, gate_threshold=cfg.gate_threshold,
-                   revive_coeff=cfg.revive_coeff)
+                   revive_coeff=cfg.revive_coeff, balance_bias_rate=cfg.balance_bias_rate)
 
     def set_dead_experts(self, dead_N: Tensor | None) -> None:
         """Experts (bool [N]) whose revival hinge is on until the next call (None: none)."""
@@ -85,6 +97,8 @@ class ReLURouter(Router):
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         logits_TN = self.logits(x_TD)
+        if self.balance_bias_rate > 0:
+            logits_TN = logits_TN + self.expert_bias_N.to(logits_TN.dtype)
         gates_TN = torch.relu(logits_TN)
         if self.max_active:
             keep_TN = topk_keep(gates_TN, self.max_active)
@@ -100,6 +114,14 @@ class ReLURouter(Router):
                 z_TN = x_TD.detach().to(logits_TN.dtype) @ self.weight.to(logits_TN.dtype).t()
             aux = self.revive_coeff * revival_hinge(z_TN, dead_N, self.target_density)
         return Routing(gates_TN, mask_TN, reg, aux)
+
+    @torch.no_grad()
+    def after_step(self, counts_N: Tensor) -> None:
+        """``balance_bias_rate``: move each expert's offset against the step's load error
+        (``counts_N``: tokens per expert over micro-batches and ranks, the same on every rank)."""
+        if self.balance_bias_rate > 0:
+            delta_N = bias_update(counts_N.detach().cpu(), self.balance_bias_rate)
+            self.expert_bias_N.add_(delta_N.to(self.expert_bias_N))
 
 
 def topk_keep(gates_TN: Tensor, c: int) -> Tensor:
