@@ -86,16 +86,6 @@ def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None,
     return counts_LN / tokens, "expert_counts"
 
 
-def inactive_experts(run, target_sparsity: float | None) -> tuple[int | None, int | None, str | None]:
-    """(inactive, total, source) per the module docstring; (None, None, None) for dense runs."""
-    from remoe.analysis.routing import INACTIVE_RATIO
-
-    ratio_LN, source = routed_ratio(run, target_sparsity)
-    if ratio_LN is None:
-        return None, None, None
-    return int((ratio_LN < INACTIVE_RATIO).sum()), int(ratio_LN.size), source
-
-
 def inactive_floor(ratio_LN: np.ndarray, threshold: float | None = None) -> int:
     """The fewest inactive experts the layers' densities allow: a layer whose token gets
     ``a = sum_e ratio_e`` experts on average can give at most ``floor(a / threshold)`` experts a
