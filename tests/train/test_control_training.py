@@ -103,6 +103,21 @@ def test_per_layer_lambda_identical_on_two_ranks(one_vs_two_ranks):
         assert rb["lambda_layers"] == pytest.approx(ra["lambda_layers"], rel=1e-9)
 
 
+def test_balance_bias_identical_on_two_ranks(one_vs_two_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    common = {**BIAS, "train.max_steps": 4, "train.eval_every": 0, "train.save_every": 2,
+              "analysis.record_masks_every": 0, "train.num_threads": 1,
+              "train.micro_batch_size": 2}
+    # the offsets move on the step's counts summed over ranks: the same as one process
+    a, b = one_vs_two_ranks(common, {"train.grad_accum": 2})
+    assert [r["expert_counts"] for r in a] == [r["expert_counts"] for r in b]
+    one, two = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("one", "two"))
+    keys = [k for k in one if k.endswith("router.expert_bias_N")]
+    assert keys and all(torch.equal(one[k], two[k]) for k in keys)
+    assert any(one[k].abs().sum() > 0 for k in keys)
+
+
 def test_analyze_stages_draws_and_measures_each_layers_lambda(make_overrides, tmp_path):
     from remoe.analysis.analyze import Options, analyze_stages
     from remoe.analysis.runlog import Run
