@@ -155,7 +155,7 @@ def test_only_selects_runs_and_their_flops_reference(write_spec, tmp_path):
 STUB_EVAL = Path(__file__).with_name("stub_eval.py")
 
 
-def stub_eval_command(run_dir, tasks, limit):
+def stub_eval_command(run_dir, tasks, limit, loss=False):
     return [sys.executable, str(STUB_EVAL), str(run_dir), "--tasks", tasks, "--no-loss",
             *(["--limit", str(limit)] if limit else [])]
 

@@ -27,19 +27,24 @@ def default_command(config_path: Path, flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "remoe.cli", "train", str(config_path), "--no-progress", *flags]
 
 
-def eval_command(run_dir: Path, tasks: str, limit: int | None) -> list[str]:
-    """``python -m remoe.cli eval RUN --tasks TASKS --no-loss [--limit N]`` (results in
-    ``RUN/eval_results.json``; the validation loss is the trainer's final evaluation)."""
+def eval_command(run_dir: Path, tasks: str, limit: int | None, loss: bool = False) -> list[str]:
+    """``python -m remoe.cli eval RUN --tasks TASKS [--no-loss] [--limit N]`` (results in
+    ``RUN/eval_results.json``). Without ``loss`` the validation loss is the trainer's final
+    evaluation (its fixed sample); with it, ``remoe eval`` adds the loss over the whole split."""
     return [sys.executable, "-m", "remoe.cli", "eval", str(run_dir), "--tasks", tasks,
-            "--no-loss", *(["--limit", str(limit)] if limit else [])]
+            *([] if loss else ["--no-loss"]), *(["--limit", str(limit)] if limit else [])]
 
 
-def eval_done(run_dir: Path, tasks: str, limit: int | None) -> bool:
-    """``RUN/eval_results.json`` has zero-shot results of ``tasks`` at ``limit``."""
+def eval_done(run_dir: Path, tasks: str, limit: int | None, loss: bool = False) -> bool:
+    """``RUN/eval_results.json`` has zero-shot results of ``tasks`` at ``limit`` (and, with
+    ``loss``, the whole-split validation loss)."""
     doc = read_json(run_dir / "eval_results.json")
     if not doc or (doc.get("tasks") or {}).get("selection") != tasks or doc.get("limit") != limit:
         return False
-    return any(m.get("zero_shot") for m in doc.get("models") or [])
+    models = doc.get("models") or []
+    if loss and not any(m.get("loss") for m in models):
+        return False
+    return any(m.get("zero_shot") for m in models)
 
 
 def same_experiment(cfg: dict[str, Any]) -> dict[str, Any]:

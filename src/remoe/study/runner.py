@@ -56,7 +56,7 @@ class Study:
     out: Path
     jobs: int = 1
     command: Callable[[Path, list[str]], list[str]] = default_command
-    evaluate: Callable[[Path, str, int | None], list[str]] = eval_command
+    evaluate: Callable[[Path, str, int | None, bool], list[str]] = eval_command
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
     reuse: tuple[Path, ...] = ()  # other study directories whose identical finished runs count
@@ -101,7 +101,8 @@ class Study:
         if not self.trained(r):
             return False
         tasks = self.spec.eval_tasks
-        return tasks is None or eval_done(self.run_dir(r), tasks, self.spec.eval_limit)
+        return tasks is None or eval_done(self.run_dir(r), tasks, self.spec.eval_limit,
+                                          self.spec.eval_loss)
 
     def has_checkpoint(self, r: RunSpec) -> bool:
         from remoe.loading import latest_checkpoint
@@ -320,7 +321,8 @@ class Study:
     def _launch_eval(self, r: RunSpec):
         """The zero-shot tasks of the spec on a trained run (``remoe eval``), in its log."""
         tasks, limit = self.spec.eval_tasks, self.spec.eval_limit
-        proc, fh = self._spawn(r, self.evaluate(self.run_dir(r), tasks, limit), "evaluate")
+        proc, fh = self._spawn(r, self.evaluate(self.run_dir(r), tasks, limit, self.spec.eval_loss),
+                               "evaluate")
         st = self.states[r.name]
         st.state, st.started, st.exit_status, st.phase = "running", time.time(), None, "eval"
         self.log(f"  eval  {r.name}  [--tasks {tasks}{f' --limit {limit}' if limit else ''}] "

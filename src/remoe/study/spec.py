@@ -38,7 +38,7 @@ from remoe.study.specfields import (SECTIONS, check, clean_name, dotted, merge, 
                                     seed_list, stop_rule)
 
 SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval")
-EVAL_KEYS = ("tasks", "limit")
+EVAL_KEYS = ("tasks", "limit", "loss")
 GROUP_KEYS = ("name", "set", "grid", "runs", "seeds", "stop", "match_flops_of", "label")
 RUN_KEYS = ("label", "set")
 #: run.* fields the study owns (name, directory and seed of every run)
@@ -86,6 +86,7 @@ class StudySpec:
     #: zero-shot tasks `remoe eval --tasks` runs on every finished run (None: none)
     eval_tasks: str | None = None
     eval_limit: int | None = None  # `remoe eval --limit`: examples per task
+    eval_loss: bool = False  # also the loss over the whole validation split (`remoe eval`)
     groups: list[str] = field(default_factory=list)
 
     def by_name(self) -> dict[str, RunSpec]:
@@ -115,10 +116,11 @@ class StudySpec:
 
 # ----------------------------------------------------------------------------- small helpers
 
-def _eval_section(raw: Any) -> tuple[str | None, int | None]:
-    """``eval: {tasks: builtin, limit: 300}``: zero-shot tasks run on every finished run."""
+def _eval_section(raw: Any) -> tuple[str | None, int | None, bool]:
+    """``eval: {tasks: builtin, limit: 300, loss: true}``: zero-shot tasks (and, with ``loss``,
+    the whole validation split's loss) run on every finished run."""
     if raw is None:
-        return None, None
+        return None, None, False
     check(isinstance(raw, dict), f"study.eval={raw!r} must be a mapping with tasks (and limit)")
     for k in raw:
         check(k in EVAL_KEYS, f"unknown key study.eval.{k} (allowed: {', '.join(EVAL_KEYS)})")
@@ -128,7 +130,9 @@ def _eval_section(raw: Any) -> tuple[str | None, int | None]:
           "(e.g. builtin)")
     check(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0),
           f"study.eval.limit={limit!r} must be a positive integer (examples per task)")
-    return tasks.strip(), limit
+    loss = raw.get("loss", False)
+    check(isinstance(loss, bool), f"study.eval.loss={loss!r} must be true or false")
+    return tasks.strip(), limit, loss
 
 
 def _fmt_value(v: Any) -> str:
@@ -226,7 +230,7 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     groups = raw.get("groups")
     check(isinstance(groups, list) and len(groups) > 0, "study.groups must be a non-empty list")
     spec = StudySpec(path=p, name=name, budget=budget.strip(), out=out, report=report)
-    spec.eval_tasks, spec.eval_limit = _eval_section(raw.get("eval"))
+    spec.eval_tasks, spec.eval_limit, spec.eval_loss = _eval_section(raw.get("eval"))
     pending_match: list[tuple[RunSpec, str, str]] = []
     for gi, g in enumerate(groups):
         spec.runs.extend(_expand_group(g, gi, base, default_seeds, spec.groups, pending_match))
