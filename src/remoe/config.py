@@ -46,7 +46,7 @@ class ReMoEConfig(PretrainedConfig):
     """
 
     model_type = "remoe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache field, < 5.24 / 5.24 on
 
     def __init__(self, **kwargs: Any) -> None:
         known = section_fields()

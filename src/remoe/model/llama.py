@@ -171,6 +171,32 @@ def _attention_mask(attention_mask_BP: Tensor | None, S: int, P: int, device) ->
     return mask
 
 
+def _left_padding(attention_mask_BP: Tensor | None) -> list[int] | None:
+    """Each row's count of masked positions before its first attended one; None when nothing
+    is masked (a host sync only for a padded batch)."""
+    if attention_mask_BP is None or attention_mask_BP.dim() != 2 or bool(attention_mask_BP.all()):
+        return None
+    return attention_mask_BP.long().argmax(-1).tolist()
+
+
+#: the field of transformers' causal-LM output that holds the KV cache (renamed in 5.24)
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
+    else "past_key_values"
+
+
+def _check_cache(past_key_values: Any, cache: Any) -> Any:
+    """The KV cache, passed as ``past_key_values=`` (transformers < 5.24) or ``cache=`` (5.24 on;
+    both at once only if they are the same object); refuses a static (compileable) cache."""
+    if cache is not None:
+        if past_key_values is not None and past_key_values is not cache:
+            raise ValueError("two KV caches given: pass past_key_values= or cache=, not both")
+        past_key_values = cache
+    if past_key_values is not None and getattr(past_key_values, "is_compileable", False):
+        raise ValueError(f"{type(past_key_values).__name__} is not supported: remoe models "
+                         "decode with a dynamic KV cache only (leave cache_implementation unset)")
+    return past_key_values
+
+
 class ReMoEPreTrainedModel(PreTrainedModel):
     config_class = ReMoEConfig
     base_model_prefix = "remoe"
@@ -237,13 +263,27 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         record_masks: bool = False,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
+        cache: DynamicCache | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
-    ) -> ReMoEOutput:
+    ) -> ReMoEOutput | tuple:
         """``labels`` are the inputs (shifted inside, -100 ignored) as in transformers.
 
         ``train_step``: the optimizer step (schedules such as TopK warm-up); ``None`` means
         inference. ``record_masks``: also return every MoE layer's boolean routing mask.
+        The KV cache comes as ``past_key_values=`` (transformers < 5.24) or ``cache=``
+        (5.24 on); a dynamic cache only (:func:`_check_cache`).
+        ``output_hidden_states``: the embeddings and every block's output, the last one after
+        the final norm (L + 1 tensors, transformers' convention); ``output_attentions`` is
+        refused (SDPA computes no weights); ``return_dict=False`` returns ``to_tuple()``.
         """
+        past_key_values = _check_cache(past_key_values, cache)
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: remoe's attention runs "
+                             "F.scaled_dot_product_attention, which returns no attention weights")
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         B, S = input_ids.shape
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -257,14 +297,20 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         attn_mask = _attention_mask(attention_mask, S, past + S, input_ids.device)
         ctx = RouterContext(batch_size=B, seq_len=S, token_ids_T=input_ids.reshape(-1),
-                            step=train_step, record_masks=record_masks, past_len=past)
+                            step=train_step, record_masks=record_masks, past_len=past,
+                            pad_left=_left_padding(attention_mask))
 
         x = self.embed_tokens(input_ids)
         layer_aux: list[LayerAux] = []
+        hidden: list[Tensor] = []
         for block in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
             x, aux = block(x, cos, sin, attn_mask, cache, ctx)
             layer_aux.append(aux)
         x = self.norm(x)
+        if output_hidden_states:
+            hidden.append(x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
@@ -273,8 +319,12 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        return ReMoEOutput(loss=loss, logits=logits, past_key_values=cache,
-                           aux=self._collect_aux(layer_aux, B * S, input_ids.device))
+        out = ReMoEOutput(loss=loss, logits=logits, **{_CACHE_FIELD: cache},
+                          hidden_states=tuple(hidden) if output_hidden_states else None,
+                          aux=self._collect_aux(layer_aux, B * S, input_ids.device))
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True) is not False
+        return out if return_dict else out.to_tuple()
 
     def _collect_aux(self, layer_aux: list[LayerAux], T: int, device) -> MoEAux:
         routed = [a for a in layer_aux if a.active_counts_N.numel() > 0]

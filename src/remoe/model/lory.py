@@ -38,7 +38,9 @@ current segment; when a segment completes, its mean routes the next one -- exact
 forward over the whole sequence computes, so cached decoding matches it (``"uniform"`` mode).
 This stream state lives on the module (not in the cache object): it is reset by every forward
 with ``past_len == 0`` and checked against ``past_len``; beam search (which reorders caches) is
-not supported by Lory.
+not supported by Lory. A left-padded batch (batched generation; ``ctx.pad_left``, the padding
+count of each sequence) is routed sequence by sequence with the segments starting at each
+sequence's first real token, so it generates what each prompt generates alone.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class LoryMoE(nn.Module):
         nn.init.normal_(self.router.weight, std=cfg.init_std)
         # parameter storage only (same stacked layout and count as the token-routed experts)
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.d_model, cfg.d_ffn, cfg.init_std)
-        self._stream: _Stream | None = None
+        self._stream: _Stream | list[_Stream] | None = None  # a list: one per padded sequence
 
     # declarations read through remoe.registry (see remoe.model.routers.base.Router)
     is_moe = True
@@ -145,31 +147,12 @@ class LoryMoE(nn.Module):
         mean_BD = (seg_sum_BD + x_BsD.float().sum(1)) / (count + x_BsD.shape[1])
         return self.routing_weights(mean_BD).detach()
 
-    # ------------------------------------------------------------------ forward
-
-    def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
-        D = x.shape[-1]
-        if ctx is None:
-            B = x.shape[0] if x.dim() > 2 else 1
-            past = 0
-        else:
-            B, past = ctx.batch_size, getattr(ctx, "past_len", 0)
-        x_BSD = x.reshape(B, -1, D)
-        S = x_BSD.shape[1]
-        T = B * S
+    def _segments(self, x_BSD: Tensor, pos: int, seg_sum: Tensor, weights: Tensor | None
+                  ) -> tuple[Tensor, _Stream]:
+        """The outputs of positions ``pos..pos+S-1`` of every sequence (segment state
+        ``seg_sum``/``weights`` at ``pos``), and the state after them."""
+        B, S, D = x_BSD.shape
         L = self.segment_len
-
-        if past == 0:
-            pos, seg_sum, weights = 0, x_BSD.new_zeros(B, D, dtype=torch.float32), None
-        else:
-            st = self._stream
-            if st is None or st.pos != past or st.seg_sum_BD.shape[0] != B:
-                raise RuntimeError(
-                    f"Lory layer: a KV-cache continuation at position {past} (batch {B}) does not "
-                    "follow this layer's previous forward; run the prefix through the model first "
-                    "(beam search / cache reordering is not supported by Lory)")
-            pos, seg_sum, weights = st.pos, st.seg_sum_BD.to(x.device), st.weights_BE
-
         outs = []
         start = 0
         while start < S:
@@ -185,9 +168,71 @@ class LoryMoE(nn.Module):
             pos += stop - start
             start = stop
         y_BSD = torch.cat(outs, dim=1) if outs else x_BSD.new_zeros(B, 0, D)
+        return y_BSD, _Stream(pos, seg_sum.detach(),
+                              weights.detach() if weights is not None else None)
 
-        self._stream = _Stream(pos, seg_sum.detach(),
-                               weights.detach() if weights is not None else None)
+    @staticmethod
+    def _resume(st: _Stream | None, past: int, B: int, device) -> tuple[int, Tensor, Tensor | None]:
+        if not isinstance(st, _Stream) or st.pos != past or st.seg_sum_BD.shape[0] != B:
+            raise RuntimeError(
+                f"Lory layer: a KV-cache continuation at position {past} (batch {B}) does not "
+                "follow this layer's previous forward; run the prefix through the model first "
+                "(beam search / cache reordering is not supported by Lory)")
+        return st.pos, st.seg_sum_BD.to(device), st.weights_BE
+
+    def _forward_left_padded(self, x_BSD: Tensor, past: int, pads: list[int]) -> Tensor:
+        """A left-padded batch (batched generation): each sequence's segments start at its
+        first real position, as if it were alone; padding positions get zeros. One sequence at a
+        time (generation batches are small); the stream state is kept per sequence."""
+        B, S, D = x_BSD.shape
+        if len(pads) != B:
+            raise RuntimeError(f"Lory layer: {len(pads)} padding counts for a batch of {B}")
+        if past == 0:
+            streams = [None] * B
+        else:
+            streams = self._stream if isinstance(self._stream, list) else None
+            if streams is None or len(streams) != B:
+                raise RuntimeError(f"Lory layer: a KV-cache continuation at position {past} "
+                                   f"(batch {B}) does not follow a left-padded forward")
+        ys, new = [], []
+        for b, pad in enumerate(pads):
+            x_1SD = x_BSD[b:b + 1]
+            if past == 0:  # the prompt: drop the padding, segments start after it
+                skip = min(pad, S)
+                y, st = self._segments(x_1SD[:, skip:], 0,
+                                       x_BSD.new_zeros(1, D, dtype=torch.float32), None)
+                y = torch.cat([x_1SD.new_zeros(1, skip, D), y], dim=1)
+            else:  # new positions after the cached ones (never padding in left-padded decoding)
+                pos, seg_sum, weights = self._resume(streams[b], past - pad, 1, x_BSD.device)
+                y, st = self._segments(x_1SD, pos, seg_sum, weights)
+            ys.append(y)
+            new.append(st)
+        self._stream = new
+        return torch.cat(ys, dim=0)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
+        D = x.shape[-1]
+        if ctx is None:
+            B = x.shape[0] if x.dim() > 2 else 1
+            past = 0
+        else:
+            B, past = ctx.batch_size, getattr(ctx, "past_len", 0)
+        x_BSD = x.reshape(B, -1, D)
+        S = x_BSD.shape[1]
+        T = B * S
+
+        pads = getattr(ctx, "pad_left", None) if ctx is not None else None
+        if pads is not None and any(pads):
+            y_BSD = self._forward_left_padded(x_BSD, past, pads)
+        else:
+            if past == 0:
+                pos, seg_sum, weights = 0, x_BSD.new_zeros(B, D, dtype=torch.float32), None
+            else:
+                pos, seg_sum, weights = self._resume(self._stream, past, B, x.device)
+            y_BSD, st = self._segments(x_BSD, pos, seg_sum, weights)
+            self._stream = st
         z = x.new_zeros((), dtype=torch.float32)
         counts_N = x.new_full((self.num_experts,), float(T), dtype=torch.float32)
         mask = None

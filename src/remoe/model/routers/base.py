@@ -22,7 +22,8 @@ class RouterContext:
     ``token_ids_T`` (hash routing), ``batch_size``/``seq_len`` (segment or sequence-level
     routers), ``step`` (the optimizer step in training; ``None`` at inference: schedules such as
     the TopK warm-up then use their final value), ``record_masks`` (return each layer's mask),
-    ``past_len`` (cached positions before this call's tokens; 0 for a full forward).
+    ``past_len`` (cached positions before this call's tokens; 0 for a full forward),
+    ``pad_left`` (each sequence's left padding in a padded batch, or None).
     """
 
     batch_size: int
@@ -31,6 +32,9 @@ class RouterContext:
     step: int | None = None
     record_masks: bool = False
     past_len: int = 0  # positions already in the KV cache (Lory continues its segment there)
+    #: left-padding count of each sequence (batched generation), None without padding (Lory
+    #: starts its segments after the padding; token-wise routers ignore it)
+    pad_left: list[int] | None = None
 
 
 @dataclass
