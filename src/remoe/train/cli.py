@@ -108,7 +108,9 @@ def _prepare_run_dir(cfg, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from remoe.train.config import load_config
 
-    cfg = load_config(_config_path(args.config), args.overrides)  # fails fast, before any data
+    # fails fast, before any data (with train.init_from the default file's model: section,
+    # the default model, is not an override of the source's)
+    cfg = load_config(_config_path(args.config), args.overrides, default_file=args.config is None)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0

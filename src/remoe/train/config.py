@@ -98,6 +98,13 @@ class TrainConfig:
     # FSDP2 under torchrun: decoder blocks and root sharded over the ranks, sharded (DCP)
     # checkpoints (remoe.train.fsdp, remoe.train.dcp; docs/SCALING.md)
     fsdp: bool = False
+    # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
+    # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
+    # directory (converted on the fly); the model: section then holds overrides only
+    init_from: str | None = None
+    # lambda at the first step of an init_from run (null: measured from the model, see
+    # remoe.train.init_from.initial_lambda; a run checkpoint's own lambda when it fits)
+    init_lambda: float | None = None
 
     def validate(self) -> None:
         _check_finite(self, "train")
@@ -127,6 +134,10 @@ class TrainConfig:
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
+        _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
+               f"train.init_from={self.init_from!r} must be a directory or null")
+        _check(self.init_lambda is None or self.init_lambda > 0,
+               f"train.init_lambda={self.init_lambda!r} must be > 0 or null (measured)")
 
 
 @dataclass
@@ -347,8 +358,14 @@ def _short(v: Any, n: int = 60) -> str:
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load a YAML experiment (or the defaults), apply ``--set`` overrides, validate everything."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                default_file: bool = False) -> ExperimentConfig:
+    """Load a YAML experiment (or the defaults), apply ``--set`` overrides, validate everything.
+
+    With ``train.init_from`` the ``model:`` section holds overrides of the source's config,
+    checked against the source when the run starts (:mod:`remoe.train.init_from`); then
+    ``default_file`` (``path`` is the default experiment, not the user's) drops the file's
+    ``model:`` section, which describes the default model, not an override."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -363,14 +380,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                f"(key: value lines indented under '{k}:'), got {type(v).__name__} {_short(v)}")
     # an empty section (`model:` alone, or {}) is the same as no section: its defaults
     raw = {k: dict(v) for k, v in raw.items() if v}
-    raw.setdefault("model", {"preset": "tiny"})  # --set model.x=... refines the default model
+    file_model = raw.pop("model", None)
+    set_model: dict[str, Any] = {}  # --set model.x=... refines the file's (or default) model
     for text in overrides or []:
         (section, key), value = parse_override(text)
         _check(section in SECTIONS, f"--set {text!r}: unknown section {section!r} "
                f"(allowed: {', '.join(SECTIONS)})")
-        raw.setdefault(section, {})[key] = value
-    model = _build_model_section(raw.get("model", {"preset": "tiny"}))
-    ModelSpec.from_flat(model).validate()  # the one validation of every model field
+        if section == "model":
+            set_model[key] = value
+        else:
+            raw.setdefault(section, {})[key] = value
+    if (raw.get("train") or {}).get("init_from") is not None:
+        # the model comes from the source; the section holds overrides of its config
+        base = {} if default_file or file_model is None else file_model
+        model = _build_model_section({**base, **set_model})
+        _check("preset" not in model, f"model.preset={model.get('preset')!r} cannot be combined "
+               "with train.init_from: the model's shape comes from the source; remove it")
+    else:
+        base = file_model if file_model is not None else {"preset": "tiny"}
+        model = _build_model_section({**base, **set_model})
+        ModelSpec.from_flat(model).validate()  # the one validation of every model field
     cfg = ExperimentConfig(
         run=_build(RunConfig, raw.get("run", {}), "run"),
         model=model,
@@ -378,6 +407,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         train=_build(TrainConfig, raw.get("train", {}), "train"),
         analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
     )
+    if cfg.train.init_from is not None:  # the model checks need the source: at the run's start
+        return cfg
     spec = cfg.model_spec(vocab_size=cfg.data.vocab_size)
     max_pos = spec.backbone.max_position_embeddings
     if cfg.train.expert_parallel:  # the world size is checked when training starts

@@ -53,7 +53,8 @@ from remoe.train.masks import round_robin as _round_robin  # noqa: F401
 from remoe.train.metrics import (MetricsWriter, format_summary, open_tensorboard,  # noqa: F401
                                  run_summary)
 from remoe.train.optim import (TrainingDiverged, apply_gradients, build_optimizer,  # noqa: F401
-                               check_finite_losses, clip_gradients, set_lr)
+                               check_finite_losses, clip_gradients, finish_and_clip, set_lr,
+                               update)
 from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: F401
 from remoe.train.schedule import cosine_lr  # noqa: F401
 
@@ -95,13 +96,18 @@ class Trainer:
 
         # model
         torch.manual_seed(cfg.run.seed)
-        vocab = _round_up(data.vocab_size, 64)
-        self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
-                                          bos_token_id=data.eos_id, pad_token_id=data.eos_id)
-        if self.model_cfg.vocab_size < data.vocab_size:
-            raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
-                              f"tokenizer's vocabulary ({data.vocab_size})")
-        self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
+        self.init = None  # train.init_from: where the weights came from (remoe.train.init_from)
+        if tc.init_from is not None:
+            self.model = self._init_model(resume)
+            self.model_cfg = self.model.config
+        else:
+            vocab = _round_up(data.vocab_size, 64)
+            self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
+                                              bos_token_id=data.eos_id, pad_token_id=data.eos_id)
+            if self.model_cfg.vocab_size < data.vocab_size:
+                raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
+                                  f"tokenizer's vocabulary ({data.vocab_size})")
+            self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         # train.expert_parallel: this rank's slice of the experts (None: off or one process)
         self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
         # train.fsdp: FSDP2 over the blocks and the root (remoe.train.fsdp; None otherwise)
@@ -116,6 +122,10 @@ class Trainer:
         self.controller = build_controller(self.model_cfg, len(self.token_routers))
         self.control = StepControl(self.controller, self.token_routers,
                                    [getattr(f, "experts", None) for f in routed])
+        if self.init is not None and self.controller is not None and self.init.lambdas:
+            from remoe.train.init_from import start_controller
+
+            start_controller(self.controller, self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -143,6 +153,8 @@ class Trainer:
                           else None)
             if self.dist.is_main:
                 ckpt_io.atomic_write_text(self.run_dir / "config.yaml", cfg.to_yaml())
+                if self.init is not None and resume_from is None:
+                    self.init.write(self.run_dir, self.controller)
                 rs = self.step if resume_from is not None else None
                 self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
                 self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
@@ -152,6 +164,25 @@ class Trainer:
             raise
 
     # -- construction helpers ---------------------------------------------------------------
+    def _init_model(self, resume: bool):
+        """``train.init_from``: the source's model with the config's overrides and its lambda
+        (remoe.train.init_from); on ``--resume``, the run's recorded model config (the
+        weights then come from the run's checkpoint)."""
+        from remoe.train import init_from
+
+        if resume:
+            model = init_from.from_record(self.run_dir)
+            if model is not None:
+                return model.to(self.device)
+        self.init = init_from.build(self.cfg)
+        init_from.check_vocabulary(self.init.source, self.data, self.init.model.config)
+        model = self.init.model.to(self.device)
+        if model.config.uses_adaptive_reg:
+            input_ids, _ = self.sampler.batch(0, 0, self.dist.rank)
+            init_from.choose_lambda(self.init, self.cfg.train.init_lambda,
+                                    input_ids.to(self.device), self.dist.enabled)
+        return model
+
     def _barrier(self) -> None:
         if self.dist.enabled:
             dist.barrier()
@@ -243,18 +274,23 @@ class Trainer:
                 loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
             sums.add(out, input_ids.numel())
-        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled)
+        # clip first: the norm goes to the host in the same copy as the step's sums, the step's
+        # one host synchronisation outside the model (issue 28)
+        norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
+        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled,
+                          grad_norm=norm)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
-        grad_norm = apply_gradients(self.optimizer, self.model, tc.grad_clip, step,
-                                    self.ckpt_root, self.fsdp or self.ep)
+        grad_norm = tot.grad_norm
+        update(self.optimizer, grad_norm, step, self.ckpt_root)
         stats = step_statistics(tot.counts_LN, tot.tokens)
         self.control.after_step(tot.counts_LN, stats, tot.tokens)
         self.control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        # no torch.cuda.synchronize() here: the step's one copy to the host (above) already
+        # waited for its forward and backward; the optimizer kernels queued after it are timed
+        # with the next step
         dt = time.perf_counter() - t0
         if self.threads:
             self.threads.after_step(step, dt)
