@@ -44,7 +44,8 @@ def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
     from remoe.loading import resolve_model_dir
 
     files: dict[str, Any] = {}
-    for name in ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml"):
+    for name in ("metrics.jsonl", "metrics.jsonl.gz", "eval.jsonl", "summary.json",
+                 "config.yaml"):
         p = run.path / name
         files[name] = [p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else None
     files["routing"] = [[s, p.stat().st_size] for s, p in run.mask_files()]

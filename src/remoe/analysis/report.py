@@ -37,6 +37,7 @@ class ReportOptions:
     analysis: Options
     title: str = "remoe report"
     analysis_root: Path | None = None  # run X is analysed into analysis_root/X (default X/analysis)
+    extra_html: tuple[str, ...] = ()  # sections placed after the comparison (e.g. a study's curves)
 
 
 def build_report(run_paths: list[str], opts: ReportOptions, log=print) -> str:
@@ -60,7 +61,7 @@ def build_report(run_paths: list[str], opts: ReportOptions, log=print) -> str:
     body = [f"<h1>{esc(opts.title)}</h1>",
             f'<p class="note">Generated {when} by <code>remoe report</code> from '
             f"{len(runs)} run(s). Definitions: docs/ANALYSIS.md.</p>", nav,
-            comparison_section(runs, names, results, outs)]
+            comparison_section(runs, names, results, outs), *opts.extra_html]
     body += [run_section(r, n, a, res, o)
              for r, n, a, res, o in zip(runs, names, anchors, results, outs)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

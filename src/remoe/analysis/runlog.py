@@ -24,11 +24,21 @@ MASK_FILE = re.compile(r"^masks_(\d+)\.npz$")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (missing file: []); a line that does not parse is skipped."""
+    """Records of a JSONL file (missing file: []; ``*.gz``: gzip-compressed, as the committed
+    copies of study runs keep ``metrics.jsonl``); a line that does not parse is skipped."""
     if not path.is_file():
         return []
+    if path.suffix == ".gz":
+        import gzip
+
+        try:
+            text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        except (OSError, EOFError):
+            return []
+    else:
+        text = path.read_text()
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if not line:
             continue
@@ -105,8 +115,9 @@ class Run:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"run={str(self.path)!r} is not a directory")
-        if not any((self.path / f).exists() for f in ("metrics.jsonl", "config.yaml", "final",
-                                                        "checkpoints", "routing")):
+        if not any((self.path / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz",
+                                                        "config.yaml", "final", "checkpoints",
+                                                        "routing")):
             raise ConfigError(f"run={str(self.path)!r} holds no run (expected metrics.jsonl, "
                               "config.yaml, final/, checkpoints/ or routing/)")
 
@@ -117,7 +128,9 @@ class Run:
 
     @cached_property
     def metrics(self) -> Metrics:
-        return Metrics(read_jsonl(self.path / "metrics.jsonl"))
+        plain = self.path / "metrics.jsonl"
+        # a committed study run keeps it compressed (remoe.study.archive)
+        return Metrics(read_jsonl(plain if plain.is_file() else self.path / "metrics.jsonl.gz"))
 
     @cached_property
     def evals(self) -> list[dict[str, Any]]:

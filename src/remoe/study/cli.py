@@ -134,7 +134,8 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         n_eval = sum(not study.done(r) for r, *_ in rows)
         log(f"then zero-shot tasks ({study.spec.eval_tasks}"
             f"{f', at most {study.spec.eval_limit} examples each' if study.spec.eval_limit else ''}"
-            f") on {n_eval} run(s) without them: `remoe eval --no-loss`, not in the estimate")
+            f") on {n_eval} run(s) without them: `remoe eval"
+            f"{'' if study.spec.eval_loss else ' --no-loss'}`, not in the estimate")
     return {"runs": len(rows), "cpu_s": total_s, "flops": total_flops, "wall_s": wall,
             "achieved_gflops": rate, "calibrated_wall_s": calibrated}
 
@@ -148,17 +149,54 @@ def _run_threads(run_dir: Path) -> int:
     return int(good[-1][1].get("threads") or 1) if good else 1
 
 
+def export_finished(study, log=print) -> list[str]:
+    """Copy every run finished (and evaluated) in the study directory to the spec's
+    ``results:`` directory (:func:`remoe.study.archive.export_run`) where the copy is missing
+    or older; returns the names copied."""
+    from remoe.study.archive import export_run, up_to_date
+
+    results = study.spec.results_dir
+    if results is None:
+        return []
+    state = {}
+    if (study.out / "study.json").is_file():
+        try:
+            state = (json.loads((study.out / "study.json").read_text()).get("runs") or {})
+        except ValueError:
+            state = {}
+    copied = []
+    for r in study.spec.runs:
+        d, dest = study.run_dir(r), results / "runs" / r.name
+        if not (d / "summary.json").is_file() or not study.done(r) or up_to_date(d, dest):
+            continue
+        export_run(d, dest, state.get(r.name))
+        copied.append(r.name)
+    if copied:
+        log(f"committed copies: {', '.join(copied)} -> {results / 'runs'} (git add them)")
+    return copied
+
+
 def _report(study, log=print) -> Path | None:
     from remoe.analysis.analyze import Options
     from remoe.analysis.report import ReportOptions, build_report
 
-    done = [study.run_dir(r) for r in study.spec.runs if study.summary(r) is not None]
+    done = [study.source_dir(r) for r in study.spec.runs if study.summary(r) is not None]
     if not done:
         log("report: no finished run yet")
         return None
     out = study.out / "report.html"
+    extra = ()
+    curves_png = study.out / "curves.png"
+    if curves_png.is_file():
+        from remoe.analysis.report_html import img
+
+        extra = ('<h2 id="curves">Learning curves</h2>'
+                 + img(curves_png.read_bytes(), "validation loss against tokens and training "
+                       "FLOPs; shaded: range over seeds (results.md: crossovers)"),)
+    # analyses go below the study directory, never into committed run copies
     html = build_report([str(p) for p in done],
-                        ReportOptions(analysis=Options(), title=f"remoe study {study.spec.name}"),
+                        ReportOptions(analysis=Options(), title=f"remoe study {study.spec.name}",
+                                      analysis_root=study.out / "analysis", extra_html=extra),
                         log=lambda m: None)
     tmp = out.with_name(".report.html.tmp")
     tmp.write_text(html, encoding="utf-8")
@@ -184,11 +222,14 @@ def run(args: argparse.Namespace) -> int:
         dry_run(study, gflops=args.gflops)
         return 0
     status = 0
-    if args.results_only and not (out / "runs").is_dir():
-        raise ConfigError(f"--out={str(out)!r} holds no study runs (no runs/ directory): "
-                          "run the study first, or give the --out it ran with")
+    committed = [r for r in spec.runs if study.committed(r) is not None]
+    if args.results_only and not (out / "runs").is_dir() and not committed:
+        raise ConfigError(f"--out={str(out)!r} holds no study runs (no runs/ directory) and the "
+                          "spec has no committed runs (results:): run the study first, or give "
+                          "the --out it ran with")
     if not args.results_only:
         status = study.run()
+    export_finished(study)
     state = None
     if (out / STATE_FILE).is_file():
         state = json.loads((out / STATE_FILE).read_text())

@@ -188,20 +188,35 @@ def zero_shot_row(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def run_source(spec: StudySpec, runs_dir: Path, name: str) -> Path:
+    """A run's directory when it finished there, else its committed copy (spec ``results:``,
+    :mod:`remoe.study.archive`) when there is one, else its directory."""
+    from remoe.study.archive import committed_dir
+
+    d = runs_dir / name
+    if (d / "summary.json").is_file():
+        return d
+    return committed_dir(spec.results_dir, name) or d
+
+
 def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One row per run of the spec: its identity, its state, and its numbers when finished."""
+    """One row per run of the spec: its identity, its state, and its numbers when finished
+    (read from its directory, else from its committed copy)."""
+    from remoe.study.archive import run_state
+
     runs_state = (state or {}).get("runs") or {}
     rows = []
     for r in spec.runs:
-        d = runs_dir / r.name
+        d = run_source(spec, runs_dir, r.name)
         st = runs_state.get(r.name) or {}
         row: dict[str, Any] = {"name": r.name, "group": r.group, "label": r.label,
                                "seed": r.seed, "overrides": r.describe_overrides(),
                                "stop": r.describe_stop()}
         if (d / "summary.json").is_file():  # trained (zero-shot columns may still be pending)
             row["state"] = "done"
+            row["source"] = str(d)
             row.update(run_row(d))
-            row["wall_s"] = st.get("total_wall_s") or None
+            row["wall_s"] = st.get("total_wall_s") or run_state(d).get("total_wall_s") or None
         else:
             row["state"] = st.get("state") if st.get("state") not in (None, "done") else "pending"
         rows.append(row)
@@ -257,8 +272,11 @@ def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
 
 
 def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
+    where = f"runs in `{out / 'runs'}`" + (
+        f", finished runs' small outputs committed in `{_rel(spec.results_dir)}/runs`"
+        if spec.results_dir else "")
     lines = [f"# Study `{spec.name}`", "",
-             f"Spec `{spec.path}`; runs in `{out / 'runs'}`. Budget: {spec.budget}", "",
+             f"Spec `{_rel(spec.path)}`; {where}. Budget: {spec.budget}", "",
              "Mean ± sample std over seeds (n = finished seeds / seeds). Validation loss: the "
              "final evaluation; FLOPs: training FLOPs counted from the active experts; wall: "
              "the training process over every attempt. Definitions: docs/STUDY.md.", ""]
@@ -320,13 +338,39 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
 
 
 def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> tuple[Path, Path, list]:
+    """``results.csv``, ``results.md`` and, where runs have periodic evaluations,
+    ``curves.csv`` / ``curves.png`` (:mod:`remoe.study.curves`) into ``out`` and, for a spec
+    with ``results:``, the same files into that directory beside the committed runs."""
+    from remoe.study import curves
+
     rows = collect(spec, (out / "runs").resolve(), state)
-    csv_path = write_csv(out / "results.csv", rows)
-    md = out / "results.md"
-    tmp = md.with_name(".results.md.tmp")
-    tmp.write_text(markdown(spec, rows, out))
-    tmp.replace(md)
+    run_curves, label_curves = curves.collect_curves(rows, lambda row: Path(row["source"]))
+    text = markdown(spec, rows, out)
+    if label_curves:
+        text += "\n" + "\n".join(curves.markdown_section(label_curves)) + "\n"
+    csv_path = md = None
+    for d in dict.fromkeys([Path(out)] + ([spec.results_dir] if spec.results_dir else [])):
+        d.mkdir(parents=True, exist_ok=True)
+        public = [{k: v for k, v in row.items() if k != "source"} for row in rows]
+        p_csv = write_csv(d / "results.csv", public)
+        p_md = d / "results.md"
+        tmp = p_md.with_name(".results.md.tmp")
+        tmp.write_text(text)
+        tmp.replace(p_md)
+        if run_curves:
+            curves.write_csv(d / "curves.csv", run_curves)
+            curves.write_figure(d / "curves.png", label_curves)
+        csv_path, md = csv_path or p_csv, md or p_md
     return csv_path, md, rows
+
+
+def _rel(path: Path) -> str:
+    """A path relative to the working directory where it lies below it (stable in committed
+    tables), else as it is."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _adaptive(router: str | None) -> bool:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
+from remoe.study.archive import committed_dir
 from remoe.study.children import (atomic_write, config_diff, default_command,
                                   die_with_parent, eval_command, eval_done, read_json, read_yaml,
                                   same_experiment, tail)
@@ -90,16 +91,31 @@ class Study:
         return self.out / "logs" / f"{r.name}.log"
 
     # -- what a run's directory says ----------------------------------------------------------
+    def committed(self, r: RunSpec) -> Path | None:
+        """The run's committed copy (spec ``results:``, remoe.study.archive) when its own
+        directory holds no finished run: a run committed once is never trained again (delete
+        the copy to rerun it)."""
+        if (self.run_dir(r) / "summary.json").is_file():
+            return None
+        return committed_dir(self.spec.results_dir, r.name)
+
+    def source_dir(self, r: RunSpec) -> Path:
+        """Where the run's outputs are read from: its directory, else its committed copy."""
+        return self.committed(r) or self.run_dir(r)
+
     def summary(self, r: RunSpec) -> dict[str, Any] | None:
-        return read_json(self.run_dir(r) / "summary.json")
+        return read_json(self.source_dir(r) / "summary.json")
 
     def trained(self, r: RunSpec) -> bool:
         return self.summary(r) is not None
 
     def done(self, r: RunSpec) -> bool:
-        """Trained and, if the spec asks for zero-shot tasks, evaluated on them."""
+        """Trained and, if the spec asks for zero-shot tasks, evaluated on them (a committed
+        copy is done: only finished, evaluated runs are committed)."""
         if not self.trained(r):
             return False
+        if self.committed(r) is not None:
+            return True
         tasks = self.spec.eval_tasks
         return tasks is None or eval_done(self.run_dir(r), tasks, self.spec.eval_limit,
                                           self.spec.eval_loss)
@@ -123,7 +139,7 @@ class Study:
         starts (a summary or checkpoint of another experiment must not count or be resumed)."""
         bad = []
         for r in selected:
-            saved = self.run_dir(r) / "config.yaml"
+            saved = self.source_dir(r) / "config.yaml"
             if not saved.is_file():
                 continue
             if r.match_of is not None and self.match_flops(r) is None:
@@ -136,9 +152,12 @@ class Study:
             if diff:
                 bad.append(f"{r.name} ({'; '.join(diff[:3])})")
         if bad:
+            where = f"{self.runs_dir}" + (f" (or their committed copies under "
+                                          f"{self.spec.results_dir / 'runs'})"
+                                          if self.spec.results_dir else "")
             raise ConfigError(f"--out={str(self.out)!r}: run(s) made with another config: "
                               f"{', '.join(bad)}; delete their directories under "
-                              f"{self.runs_dir} or choose another --out")
+                              f"{where} or choose another --out")
 
     # -- reuse of identical runs from other studies ------------------------------------------
     def _adopt_identical(self, selected: list[RunSpec]) -> None:

@@ -37,7 +37,8 @@ from remoe.study.runconfig import validate_runs
 from remoe.study.specfields import (SECTIONS, check, clean_name, dotted, merge, sections,
                                     seed_list, stop_rule)
 
-SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval")
+SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval",
+             "results")
 EVAL_KEYS = ("tasks", "limit", "loss")
 GROUP_KEYS = ("name", "set", "grid", "runs", "seeds", "stop", "match_flops_of", "label")
 RUN_KEYS = ("label", "set")
@@ -87,6 +88,8 @@ class StudySpec:
     eval_tasks: str | None = None
     eval_limit: int | None = None  # `remoe eval --limit`: examples per task
     eval_loss: bool = False  # also the loss over the whole validation split (`remoe eval`)
+    #: where finished runs' small outputs are committed (remoe.study.archive); None: nowhere
+    results_dir: Path | None = None
     groups: list[str] = field(default_factory=list)
 
     def by_name(self) -> dict[str, RunSpec]:
@@ -231,6 +234,11 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     check(isinstance(groups, list) and len(groups) > 0, "study.groups must be a non-empty list")
     spec = StudySpec(path=p, name=name, budget=budget.strip(), out=out, report=report)
     spec.eval_tasks, spec.eval_limit, spec.eval_loss = _eval_section(raw.get("eval"))
+    results = raw.get("results")
+    check(results is None or (isinstance(results, str) and results.strip() != ""),
+          f"study.results={results!r} must be a directory path (relative to the spec)")
+    if results is not None:
+        spec.results_dir = (p.parent / results).resolve()
     pending_match: list[tuple[RunSpec, str, str]] = []
     for gi, g in enumerate(groups):
         spec.runs.extend(_expand_group(g, gi, base, default_seeds, spec.groups, pending_match))

@@ -1,0 +1,143 @@
+"""Learning curves (remoe.study.curves) and committed run copies (remoe.study.archive): curve
+extraction, the crossover rule, and rebuilding every table and figure from the committed
+copies alone, with the run directories (checkpoints included) gone."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from remoe.errors import ConfigError
+from remoe.study.curves import Curve, crossover, label_curve, run_curve
+from remoe.study.runner import Study
+from remoe.study.spec import load_spec
+
+STUB = Path(__file__).with_name("stub_train.py")
+
+
+def _curve(label, loss, x=None, flops=None):
+    loss = np.asarray(loss, float)
+    x = np.arange(1, loss.size + 1, dtype=float) * 100 if x is None else np.asarray(x, float)
+    f = x * 10 if flops is None else np.asarray(flops, float)
+    return Curve(label, np.arange(1, loss.size + 1) * 10, x, f, loss)
+
+
+def _write_run(d: Path, evals, flops_per_step=100.0, steps=10, gz=False):
+    d.mkdir(parents=True)
+    lines = "".join(json.dumps({"step": s, "flops": s * flops_per_step, "lm_loss": 5.0}) + "\n"
+                    for s in range(1, steps + 1))
+    if gz:
+        (d / "metrics.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    else:
+        (d / "metrics.jsonl").write_text(lines)
+    (d / "eval.jsonl").write_text("".join(
+        json.dumps({"step": s, "tokens": s * 50, "val_loss": v}) + "\n" for s, v in evals))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_run_curve_takes_tokens_from_evals_and_flops_from_metrics(tmp_path, gz):
+    _write_run(tmp_path / "r", [(5, 4.0), (10, 3.5)], gz=gz)
+    c = run_curve(tmp_path / "r")
+    assert c.step.tolist() == [5, 10]
+    assert c.tokens.tolist() == [250, 500]
+    assert c.flops.tolist() == [500.0, 1000.0]
+    assert c.val_loss.tolist() == [4.0, 3.5]
+
+
+def test_label_curve_is_the_seed_mean_with_the_seed_range_on_shared_steps():
+    a = Curve("x", np.array([10, 20, 30]), np.array([1., 2, 3]), np.array([1., 2, 3]),
+              np.array([5.0, 4.0, 3.0]))
+    b = Curve("x", np.array([10, 20]), np.array([1., 2]), np.array([1., 2]), np.array([6.0, 3.0]))
+    m = label_curve("x", [a, b])
+    assert m.step.tolist() == [10, 20] and m.seeds == 2
+    assert m.val_loss.tolist() == [5.5, 3.5]
+    assert m.low.tolist() == [5.0, 3.0] and m.high.tolist() == [6.0, 4.0]
+
+
+def test_crossover_is_the_first_evaluation_after_which_a_stays_below():
+    b = _curve("b", [4.5, 4.5, 3.5, 2.5])
+    # below, above, below, below: stays below from the third evaluation
+    c = crossover(_curve("a", [4.0, 5.0, 3.0, 2.0]), b)
+    assert (c["index"], c["step"], c["x"], c["from_start"], c["never"]) == (2, 30, 300.0,
+                                                                             False, False)
+    assert c["gap_end"] == pytest.approx(-0.5)
+    assert crossover(_curve("a", [4.0, 4.0, 3.0, 2.0]), b)["from_start"] is True
+    never = crossover(_curve("a", [4.0, 4.0, 3.0, 2.6]), b)
+    assert never["never"] is True and never["step"] is None
+    assert never["gap_end"] == pytest.approx(0.1)
+
+
+def test_crossover_at_matched_flops_interpolates_the_other_curve():
+    # B spends twice the FLOPs per token: at A's FLOPs, B's loss is interpolated
+    a = _curve("a", [4.0, 3.0, 2.9, 2.8], flops=[100, 200, 300, 400])
+    b = _curve("b", [3.5, 3.0, 2.5, 2.0], flops=[200, 400, 600, 800])
+    c = crossover(a, b, "flops")
+    # A's points at 200/300/400 are compared with B at 200 (3.5), 300 (3.25), 400 (3.0);
+    # A's first point (100) lies before B's first evaluation and is not compared
+    assert c["compared"] == 3 and c["from_start"] is True
+    assert c["gap_end"] == pytest.approx(2.8 - 3.0)
+    assert crossover(a, b, "tokens")["never"] is True  # at matched tokens A ends above
+
+
+def _stub(config_path, flags):
+    return [sys.executable, str(STUB), str(config_path), *flags]
+
+
+def _results_only(spec, out):
+    from remoe.study.cli import run
+
+    return run(argparse.Namespace(spec=str(spec), dry_run=False, jobs=1, out=str(out), only=None,
+                                  reuse=(), results_only=True, no_report=True, gflops=None))
+
+
+def _columns(path, keys=("name", "state", "steps", "flops", "val_loss", "wall_s")):
+    import csv
+
+    with open(path) as fh:
+        return [[row[k] for k in keys] for row in csv.DictReader(fh)]
+
+
+def test_results_only_rebuilds_from_committed_copies_without_run_directories(write_spec,
+                                                                             tmp_path):
+    spec = write_spec({"results": "committed", "seeds": [0, 1],
+                       "groups": [{"name": "g", "grid": {"model.router": ["topk", "relu"]}}]})
+    out = tmp_path / "out"
+    assert Study(load_spec(spec), out, command=_stub, log=lambda m: None).run(poll_s=0.02) == 0
+    assert _results_only(spec, out) == 0  # copies the finished runs, writes the tables
+    committed = tmp_path / "committed"
+    for name in ("topk-s0", "topk-s1", "relu-s0", "relu-s1"):
+        d = committed / "runs" / name
+        assert {p.name for p in d.iterdir()} >= {"config.yaml", "summary.json", "eval.jsonl",
+                                                 "metrics.jsonl.gz", "study_run.json"}
+        assert not (d / "checkpoints").exists()
+    first = _columns(committed / "results.csv")
+    assert (committed / "results.md").is_file() and (committed / "curves.csv").is_file()
+    # a new machine: the study directory (runs, checkpoints, study.json) is gone
+    shutil.rmtree(out)
+    assert _results_only(spec, tmp_path / "elsewhere") == 0
+    assert _columns(committed / "results.csv") == first
+    md = (committed / "results.md").read_text()
+    assert "4 of 4 runs finished" in md and "## Learning curves" in md
+    # and the runner counts committed runs as done: nothing is trained again
+    again = tmp_path / "again"
+    assert Study(load_spec(spec), again, command=_stub, log=lambda m: None).run(
+        poll_s=0.02) == 0
+    assert not (again / "stub_calls.log").exists()
+
+
+def test_results_only_without_runs_or_copies_says_so(write_spec, tmp_path):
+    spec = write_spec({"results": "committed", "groups": [{"name": "g"}]})
+    with pytest.raises(ConfigError, match="no study runs"):
+        _results_only(spec, tmp_path / "none")
+
+
+def test_results_key_must_be_a_path(write_spec):
+    with pytest.raises(ConfigError, match="study.results="):
+        load_spec(write_spec({"results": 3, "groups": [{"name": "g"}]}))
