@@ -304,10 +304,15 @@ class SwiGLUExperts(nn.Module):
 
         return self.tuner.choose(key, run)
 
-    def forward(self, x_PD: Tensor, counts_N: Tensor, backend: str | None = None,
-                weights: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x_PD: Tensor, counts_N: Tensor | None = None, backend: str | None = None,
+                weights: tuple[Tensor, Tensor] | None = None, *, gates_TN: Tensor | None = None,
+                plan: Dispatch | None = None) -> Tensor:
         """``x_PD`` rows grouped by expert with ``counts_N`` rows each -> ``[P, D]`` (unfused).
-        ``weights``: ``(w_in, w_out)`` to use instead of the module's (the tuner's copies)."""
+        ``weights``: ``(w_in, w_out)`` to use instead of the module's (the tuner's copies).
+        With ``plan=`` (and ``gates_TN=``): :meth:`forward_tokens` on the token states ``x_PD``
+        (how the MoE layer calls experts wrapped by PEFT, whose call applies the adapter)."""
+        if plan is not None:
+            return self.forward_tokens(x_PD, gates_TN, plan)
         backend = backend or self.resolve_backend(x_PD)
         if backend in ("fused", "measured"):  # jagged rows without a plan: grouped_mm computes them
             backend = "grouped_mm" if grouped_mm_supported(x_PD, self.d_expert) else "reference"

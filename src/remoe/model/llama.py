@@ -21,6 +21,11 @@ from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+try:  # transformers' per-layer activation checkpointing (gradient_checkpointing_enable)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover - older transformers: a plain module, no checkpointing
+    GradientCheckpointingLayer = nn.Module
+
 from remoe.config import ReMoEConfig
 from remoe.model.moe import LayerAux, build_ffn
 from remoe.model.routers import RouterContext
@@ -143,7 +148,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_q * self.dh))
 
 
-class DecoderBlock(nn.Module):
+class DecoderBlock(GradientCheckpointingLayer):
+    """Pre-norm block; under ``gradient_checkpointing_enable()`` (non-reentrant) its activations
+    are recomputed in backward. The routing statistics of the recomputation are discarded (the
+    forward's are the ones returned), so each step counts them once."""
+
     def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -200,10 +209,25 @@ def _check_cache(past_key_values: Any, cache: Any) -> Any:
 class ReMoEPreTrainedModel(PreTrainedModel):
     config_class = ReMoEConfig
     base_model_prefix = "remoe"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
+    # forward(num_items_in_batch=...) normalises the LM loss by the tokens of the whole
+    # accumulated batch (transformers' Trainer then does not divide by the accumulation steps)
+    accepts_loss_kwargs = True
     _no_split_modules = ["DecoderBlock"]
     _supports_cache_class = True
     _supports_sdpa = True
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    **kwargs: Any) -> None:
+        """As transformers', refusing ``use_reentrant=True``: a block returns its routing losses
+        beside the hidden states, and the reentrant variant would cut their gradient."""
+        if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
+            raise ValueError("gradient checkpointing with use_reentrant=True is not supported: the "
+                             "routers' L_reg would get no gradient; pass gradient_checkpointing_"
+                             "kwargs={'use_reentrant': False} (the default)")
+        if gradient_checkpointing_func is None:
+            return super()._set_gradient_checkpointing(enable, **kwargs)
+        return super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.init_std
@@ -316,9 +340,15 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         logits = self.lm_head(x)
 
         loss = None
-        if labels is not None:
+        num_items = kwargs.get("num_items_in_batch")
+        if labels is not None and num_items is None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
+        elif labels is not None:  # transformers' Trainer: the sum over the tokens of this
+            # micro-batch / the predicted tokens of the whole accumulated batch (all ranks)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100,
+                                   reduction="sum") / num_items
         out = ReMoEOutput(loss=loss, logits=logits, **{_CACHE_FIELD: cache},
                           hidden_states=tuple(hidden) if output_hidden_states else None,
                           aux=self._collect_aux(layer_aux, B * S, input_ids.device))

@@ -87,6 +87,13 @@ def _context_for(x: Tensor, ctx: RouterContext | None) -> RouterContext:
     return RouterContext(batch_size=B, seq_len=x[..., 0].numel() // max(B, 1))
 
 
+def base_experts(experts: nn.Module) -> nn.Module:
+    """The :class:`SwiGLUExperts` inside wrappers such as PEFT's (``get_base_layer``)."""
+    while not isinstance(experts, SwiGLUExperts) and hasattr(experts, "get_base_layer"):
+        experts = experts.get_base_layer()
+    return experts
+
+
 class MoELayer(nn.Module):
     """Token-routed experts: any :class:`~remoe.model.routers.Router`, dropless dispatch."""
 
@@ -105,7 +112,10 @@ class MoELayer(nn.Module):
         r = self.router(x_TD, ctx)
         plan = dispatch.plan(r.mask_TN)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
-        y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)
+        if isinstance(self.experts, SwiGLUExperts):
+            y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)
+        else:  # wrapped (PEFT's ParamWrapper on w_in/w_out): its call applies the adapter
+            y_TD = self.experts(x_TD, gates_TN=r.gates_TN, plan=plan)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         aux = LayerAux(r.reg_loss, r.aux_loss, plan.counts_N.float(), T,
