@@ -80,17 +80,33 @@ class Dispatch:
         return self._layouts[key]
 
 
-def plan(mask_TN: Tensor) -> Dispatch:
-    """Group the active pairs of a boolean ``[T, N]`` mask by expert (tokens ascending inside)."""
+def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None = None) -> Dispatch:
+    """Group the active pairs of a boolean ``[T, N]`` mask by expert (tokens ascending inside).
+
+    ``on_device`` (default: the mask is not on the CPU) keeps the plan on the mask's device
+    without a host synchronisation when ``num_pairs``, the number of active pairs, is known on
+    the host (fixed-k routers: ``Routing.num_pairs``): ``nonzero_static`` with that size, counts
+    by a column sum. With ``num_pairs=None`` the pair count is data-dependent and ``nonzero``
+    reads it back: one synchronisation, the only one of the plan. ``on_device=False`` (the CPU
+    backends, which need the counts on the host anyway) uses numpy's ``flatnonzero``. All three
+    give the same pairs in the same order.
+    """
     T, N = mask_TN.shape
-    if mask_TN.device.type == "cpu":
+    if on_device is None:
+        on_device = mask_TN.device.type != "cpu"
+    if not on_device:
         # numpy's flatnonzero on the expert-major copy is ~3x faster than torch.nonzero on CPU
         flat = torch.from_numpy(np.flatnonzero(mask_TN.t().contiguous().numpy()))
         expert_idx, token_idx = flat // max(T, 1), flat % max(T, 1)
+        counts_N = torch.bincount(expert_idx, minlength=N)
+        return Dispatch(token_idx, expert_idx, counts_N)
+    mask_NT = mask_TN.t()
+    if num_pairs is None:
+        pairs = mask_NT.nonzero()  # [P, 2] as (expert, token), sorted by expert then token
     else:
-        pairs = mask_TN.t().nonzero()  # [P, 2] as (expert, token), sorted by expert then token
-        expert_idx, token_idx = pairs.unbind(1)
-    counts_N = torch.bincount(expert_idx, minlength=N)
+        pairs = mask_NT.nonzero_static(size=num_pairs)
+    expert_idx, token_idx = pairs.unbind(1)
+    counts_N = mask_TN.sum(0)  # int64 [N] on the device (bincount would read max() back)
     return Dispatch(token_idx, expert_idx, counts_N)
 
 

@@ -81,20 +81,24 @@ def all_to_all_rows(x: Tensor, out_splits: list[int], in_splits: list[int], grou
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def _regroup_index(recv_WN: Tensor) -> Tensor:
+def _regroup_index(recv_WN: Tensor, total: int | None = None) -> Tensor:
     """Gather index turning rows ordered [source rank][local expert] into [local expert][source].
 
-    ``recv_WN[s, e]``: rows received from rank s for local expert e (int64, on the host).
+    ``recv_WN[s, e]``: rows received from rank s for local expert e (int64, on any device);
+    ``total``: their sum when the host knows it (then nothing is read back from the device).
     """
     W, n = recv_WN.shape
+    dev = recv_WN.device
     flat = recv_WN.reshape(-1)  # source-major blocks, as received
     start = torch.cumsum(flat, 0) - flat  # first row of block (s, e)
-    order = torch.arange(W * n).view(W, n).t().reshape(-1)  # blocks in expert-major order
+    order = torch.arange(W * n, device=dev).view(W, n).t().reshape(-1)  # expert-major blocks
     lens, starts = flat[order], start[order]
-    total = int(flat.sum())
+    if total is None:
+        total = int(flat.sum())
     # row i of the expert-major layout lives at starts[b] + (i - first row of b in that layout)
     shift = starts - (torch.cumsum(lens, 0) - lens)
-    return torch.repeat_interleave(shift, lens, output_size=total) + torch.arange(total)
+    return (torch.repeat_interleave(shift, lens, output_size=total)
+            + torch.arange(total, device=dev))
 
 
 # --------------------------------------------------------------------------- the module
@@ -139,14 +143,14 @@ class ExpertParallelExperts(SwiGLUExperts):
         send_WN = counts_N.to(device=x_PD.device, dtype=torch.int64).reshape(W, n).contiguous()
         recv_WN = torch.empty_like(send_WN)
         dist.all_to_all_single(recv_WN, send_WN, group=g)  # [source rank, local expert]
-        send_WN, recv_WN = send_WN.cpu(), recv_WN.cpu()
-        in_splits, out_splits = send_WN.sum(1).tolist(), recv_WN.sum(1).tolist()
+        # the row exchange's split sizes: this call's one device -> host copy (issue 28)
+        in_splits, out_splits = torch.stack([send_WN.sum(1), recv_WN.sum(1)]).cpu().tolist()
         x_QD = all_to_all_rows(x_PD, out_splits, in_splits, g)
-        idx_Q = _regroup_index(recv_WN).to(x_QD.device)
+        idx_Q = _regroup_index(recv_WN, sum(out_splits))  # on the device
         x_local = x_QD.index_select(0, idx_Q)
         if x_local.shape[0]:
             kw = {} if backend is None else {"backend": backend}
-            y_local = super().forward(x_local, recv_WN.sum(0).to(x_PD.device), **kw)
+            y_local = super().forward(x_local, recv_WN.sum(0), **kw)
         else:
             # no rows for any local expert (grouped_mm cannot backward through zero rows). Stay
             # on the autograd graph so that this rank's backward joins the reverse exchanges

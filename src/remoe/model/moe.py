@@ -110,7 +110,11 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, x.shape[-1])
         T = x_TD.shape[0]
         r = self.router(x_TD, ctx)
-        plan = dispatch.plan(r.mask_TN)
+        # grouped_mm (the CUDA backend) keeps the plan on the device: no host sync for fixed-k
+        # routers, one (nonzero) for data-dependent ones; the CPU backends plan on the host
+        on_device = x_TD.device.type != "cpu" or \
+            base_experts(self.experts).resolve_backend(x_TD) == "grouped_mm"
+        plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
         if isinstance(self.experts, SwiGLUExperts):
             y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)

@@ -1,9 +1,11 @@
 """What one step's micro-batches add up to, reduced once over the data-parallel ranks.
 
 Per rank, each micro-batch adds its LM, L_reg and L_aux losses, its token count, its routing
-counts ``[L, N]`` and (per-layer control) each layer's L_reg, as float64 CPU tensors (no
-collective per micro-batch). :meth:`StepSums.reduce` packs them into one vector, all-reduces it
-once, and returns the step's means and totals.
+counts ``[L, N]`` and (per-layer control) each layer's L_reg, as float64 tensors on the model's
+device (no collective and no host synchronisation per micro-batch). :meth:`StepSums.reduce`
+packs them into one vector (with the step's gradient norm when given), all-reduces it once and
+copies it to the host once: the step's only device->host synchronisation outside the model
+(issue 28; counted by ``tests/model/test_syncs.py``).
 """
 
 from __future__ import annotations
@@ -20,43 +22,54 @@ class StepTotals:
     reg: float  # ... of L_reg
     aux: float  # ... of L_aux
     tokens: float  # tokens of the step, all ranks
-    counts_LN: torch.Tensor  # [L_moe, N] float64: tokens routed to each expert, all ranks
+    counts_LN: torch.Tensor  # [L_moe, N] float64 (host): tokens routed to each expert, all ranks
     reg_L: list[float] | None  # per-layer control: mean of each MoE layer's L_reg
+    grad_norm: float | None = None  # the gradient norm handed to reduce() (not summed)
 
 
 class StepSums:
     def __init__(self, per_layer: bool) -> None:
         self.per_layer = per_layer
-        self.sums = torch.zeros(4, dtype=torch.float64)  # lm, reg, aux, tokens (per rank)
+        self.sums: torch.Tensor | None = None  # lm, reg, aux, tokens (per rank, on the device)
         self.counts: torch.Tensor | None = None
         self.reg_L: torch.Tensor | None = None  # sum over micro-batches of each layer's L_reg
 
     def add(self, out, num_tokens: int) -> None:
         """Add one micro-batch's forward output ``out`` (a ReMoEOutput) of ``num_tokens`` tokens."""
         aux = out.aux
-        self.sums += torch.stack([out.loss.detach().double().cpu(),
-                                  aux.reg_loss.detach().double().cpu(),
-                                  aux.aux_loss.detach().double().cpu(),
-                                  torch.tensor(float(num_tokens), dtype=torch.float64)])
-        c = aux.active_counts_LN.detach().double().cpu()
+        loss = out.loss.detach()
+        if self.sums is None:
+            self.sums = torch.zeros(4, dtype=torch.float64, device=loss.device)
+        self.sums += torch.stack([loss.double(), aux.reg_loss.detach().double().to(loss.device),
+                                  aux.aux_loss.detach().double().to(loss.device),
+                                  torch.full((), float(num_tokens), dtype=torch.float64,
+                                             device=loss.device)])
+        c = aux.active_counts_LN.detach().double()
         self.counts = c if self.counts is None else self.counts + c
         if self.per_layer:
-            r = aux.reg_losses_L.detach().double().cpu()
+            r = aux.reg_losses_L.detach().double()
             self.reg_L = r if self.reg_L is None else self.reg_L + r
 
-    def reduce(self, n_micro: int, device: torch.device, distributed: bool) -> StepTotals:
-        """One all-reduce (when ``distributed``) of everything the step reports; ``n_micro`` is
-        the number of micro-batches over all ranks."""
+    def reduce(self, n_micro: int, device: torch.device, distributed: bool,
+               grad_norm: torch.Tensor | float | None = None) -> StepTotals:
+        """One all-reduce (when ``distributed``) of everything the step reports and one copy to
+        the host; ``n_micro`` is the number of micro-batches over all ranks. ``grad_norm`` (the
+        same on every rank, not summed) travels in the same copy."""
         counts = self.counts
-        packed = torch.cat([self.sums, counts.flatten()]
-                           + ([self.reg_L] if self.reg_L is not None else []))
+        reg_L = self.reg_L
+        packed = torch.cat([self.sums.to(device), counts.flatten().to(device)]
+                           + ([reg_L.to(device)] if reg_L is not None else []))
         if distributed:
-            packed = packed.to(device)
             dist.all_reduce(packed)
-            packed = packed.cpu()
+        if grad_norm is not None:
+            g = torch.as_tensor(grad_norm, dtype=torch.float64)
+            packed = torch.cat([packed, g.to(device=device, dtype=torch.float64).reshape(1)])
+        packed = packed.cpu()  # the step's one device -> host copy
+        if grad_norm is not None:
+            packed, grad_norm = packed[:-1], packed[-1].item()
         lm, reg, aux, tokens = (packed[:4] / torch.tensor([n_micro, n_micro, n_micro, 1])).tolist()
         counts_LN = packed[4:4 + counts.numel()].view_as(counts)
-        reg_L = None
-        if self.reg_L is not None:
-            reg_L = (packed[4 + counts.numel():] / n_micro).tolist()
-        return StepTotals(lm, reg, aux, tokens, counts_LN, reg_L)
+        reg_list = None
+        if reg_L is not None:
+            reg_list = (packed[4 + counts.numel():] / n_micro).tolist()
+        return StepTotals(lm, reg, aux, tokens, counts_LN, reg_list, grad_norm)

@@ -37,12 +37,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def clip_gradients(model: torch.nn.Module, clip: float, ep=None) -> float:
     """The global gradient norm before clipping to ``clip`` (no clipping when ``clip <= 0``);
     under expert parallelism the norm covers the replicated grads once and every rank's experts."""
+    return float(clip_gradients_on_device(model, clip, ep))
+
+
+def clip_gradients_on_device(model: torch.nn.Module, clip: float, ep=None) -> torch.Tensor | float:
+    """:func:`clip_gradients` without reading the norm back: a device tensor (no host sync; the
+    trainer copies it to the host with the step's other numbers). FSDP's clipping returns a float."""
     params = [p for p in model.parameters() if p.grad is not None]
     if ep is not None:
-        return float(ep.clip_grad_norm_(params, clip))
+        return ep.clip_grad_norm_(params, clip)
     if clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, clip))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
 
 
 def _diverged(optimizer: torch.optim.Optimizer, what: str, ckpt_root: Path) -> TrainingDiverged:
@@ -59,14 +65,25 @@ def check_finite_losses(optimizer: torch.optim.Optimizer, step: int, lm: float, 
                                    f"reg_loss={reg}, aux_loss={aux})", ckpt_root)
 
 
-def apply_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module, clip: float,
-                    step: int, ckpt_root: Path, ep=None) -> float:
-    """Finish the expert-parallel gradients, clip, update, zero; returns the gradient norm."""
+def finish_and_clip(model: torch.nn.Module, clip: float, ep=None) -> torch.Tensor | float:
+    """Finish the expert-parallel (or FSDP) gradients and clip them; the norm stays on the
+    device (see :func:`clip_gradients_on_device`)."""
     if ep is not None:
         ep.finish_grads()  # expert grads: sum over ranks -> mean, as DDP does
-    grad_norm = clip_gradients(model, clip, ep)
+    return clip_gradients_on_device(model, clip, ep)
+
+
+def update(optimizer: torch.optim.Optimizer, grad_norm: float, step: int, ckpt_root: Path) -> None:
+    """The optimizer step after :func:`finish_and_clip`, unless the norm is non-finite; zero."""
     if not math.isfinite(grad_norm):
         raise _diverged(optimizer, f"gradient norm became non-finite at step {step + 1}", ckpt_root)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def apply_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module, clip: float,
+                    step: int, ckpt_root: Path, ep=None) -> float:
+    """Finish the expert-parallel gradients, clip, update, zero; returns the gradient norm."""
+    grad_norm = float(finish_and_clip(model, clip, ep))
+    update(optimizer, grad_norm, step, ckpt_root)
     return grad_norm

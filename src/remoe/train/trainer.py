@@ -53,7 +53,8 @@ from remoe.train.masks import round_robin as _round_robin  # noqa: F401
 from remoe.train.metrics import (MetricsWriter, format_summary, open_tensorboard,  # noqa: F401
                                  run_summary)
 from remoe.train.optim import (TrainingDiverged, apply_gradients, build_optimizer,  # noqa: F401
-                               check_finite_losses, clip_gradients, set_lr)
+                               check_finite_losses, clip_gradients, finish_and_clip, set_lr,
+                               update)
 from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: F401
 from remoe.train.schedule import cosine_lr  # noqa: F401
 
@@ -273,18 +274,23 @@ class Trainer:
                 loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
             sums.add(out, input_ids.numel())
-        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled)
+        # clip first: the norm goes to the host in the same copy as the step's sums, the step's
+        # one host synchronisation outside the model (issue 28)
+        norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
+        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled,
+                          grad_norm=norm)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
-        grad_norm = apply_gradients(self.optimizer, self.model, tc.grad_clip, step,
-                                    self.ckpt_root, self.fsdp or self.ep)
+        grad_norm = tot.grad_norm
+        update(self.optimizer, grad_norm, step, self.ckpt_root)
         stats = step_statistics(tot.counts_LN, tot.tokens)
         self.control.after_step(tot.counts_LN, stats, tot.tokens)
         self.control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        # no torch.cuda.synchronize() here: the step's one copy to the host (above) already
+        # waited for its forward and backward; the optimizer kernels queued after it are timed
+        # with the next step
         dt = time.perf_counter() - t0
         if self.threads:
             self.threads.after_step(step, dt)

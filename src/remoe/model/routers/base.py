@@ -43,6 +43,9 @@ class Routing:
     mask_TN: Tensor  # bool: active (token, expert) pairs
     reg_loss: Tensor  # scalar: the term multiplied by the adaptive lambda (ReLU); 0 otherwise
     aux_loss: Tensor  # scalar: auxiliary loss already multiplied by its fixed coefficient
+    #: active pairs (``mask_TN.sum()``) when the router knows it without looking at the data
+    #: (fixed-k routers: T*k); lets dispatch stay on the device (no host sync). None: unknown
+    num_pairs: int | None = None
 
 
 class Router(nn.Module):

@@ -82,14 +82,16 @@ class ExpertChoiceRouter(Router):
         T = scores_TN.shape[0]
         if self.is_decoding_step(ctx):
             mask_TN = topk_mask(scores_TN, self.k)
+            pairs = T * self.k
         else:
             mask_TN = torch.zeros_like(scores_TN, dtype=torch.bool)
             C = self.capacity(T)
             if C > 0:
                 idx_CN = scores_TN.topk(C, dim=0).indices  # each column: the expert's C tokens
                 mask_TN.scatter_(0, idx_CN, True)
+            pairs = max(C, 0) * self.num_experts
         gates_TN = scores_TN * mask_TN
-        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
+        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD), num_pairs=pairs)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, k={self.k}, capacity_factor={self.capacity_factor}"

@@ -70,7 +70,7 @@ class HashRouter(Router):
         mask_TN = torch.zeros(T, self.num_experts, dtype=torch.bool, device=x_TD.device)
         mask_TN.scatter_(1, idx_TK, True)
         gates_TN = mask_TN.to(torch.float32)
-        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
+        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD), num_pairs=T * self.k)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, k={self.k}, stride={self.num_experts // self.k}"

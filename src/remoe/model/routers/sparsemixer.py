@@ -122,7 +122,7 @@ class SparseMixerRouter(Router):
         aux = zero(x_TD)
         if self.lb_coeff:
             aux = self.lb_coeff * switch_load_balancing_loss(torch.softmax(logits_TN, dim=-1), mask_TN)
-        return Routing(gates_TN, mask_TN, zero(x_TD), aux)
+        return Routing(gates_TN, mask_TN, zero(x_TD), aux, num_pairs=x_TD.shape[0] * self.k)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, k={self.k}, jitter_eps={self.jitter_eps}"

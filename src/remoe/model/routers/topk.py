@@ -65,12 +65,13 @@ class TopKRouter(Router):
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         probs_TN = torch.softmax(self.logits(x_TD), dim=-1)
-        mask_TN = topk_mask(probs_TN, self.active_k(ctx.step))
+        k = self.active_k(ctx.step)
+        mask_TN = topk_mask(probs_TN, k)
         gates_TN = probs_TN * mask_TN
         if self.normalize:  # every token's kept probabilities sum to 1 (Mixtral / Megatron)
             gates_TN = gates_TN / gates_TN.sum(dim=-1, keepdim=True)
         aux = self.lb_coeff * switch_load_balancing_loss(probs_TN, mask_TN) if self.lb_coeff else zero(x_TD)
-        return Routing(gates_TN, mask_TN, zero(x_TD), aux)
+        return Routing(gates_TN, mask_TN, zero(x_TD), aux, num_pairs=x_TD.shape[0] * k)
 
 
 class TopKWarmupRouter(TopKRouter):

@@ -59,7 +59,7 @@ class AuxFreeTopKRouter(Router):
         gates_TN = probs_TN * mask_TN
         if self.normalize:
             gates_TN = gates_TN / gates_TN.sum(dim=-1, keepdim=True)
-        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
+        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD), num_pairs=x_TD.shape[0] * self.k)
 
     @torch.no_grad()
     def after_step(self, counts_N: Tensor) -> None:
