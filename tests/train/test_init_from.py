@@ -62,8 +62,10 @@ def test_init_from_a_final_dir_keeps_the_weights_and_measures_lambda(sources, ma
         got, want = _sd(t.model), _sd(src)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         assert t.step == 0 and not t.optimizer.state  # fresh optimizer and schedule
-        lam = t.init.lambdas[0]
-        assert t.controller.coeff == lam and lam > 1e-6  # measured, not lambda0 = 1e-8
+        lam = t.init.lambdas[0]  # the source run's own lambda, where it stopped
+        final = json.loads((sources / "relu" / "summary.json").read_text())["final_lambda"]
+        assert t.controller.coeff == lam == final
+        assert t.init.lambda_info["lambda_rule"] == "the source run's final lambda"
         assert 0 < t.init.lambda_info["source_density"] <= 1
         summary = t.train()
     finally:
@@ -116,6 +118,11 @@ def test_router_swap_topk_to_relu_centres_the_router_and_keeps_the_experts(sourc
         assert torch.equal(a.ffn.experts.w_in_ND2H, b.ffn.experts.w_in_ND2H)
         assert torch.equal(a.attn.q_proj.weight, b.attn.q_proj.weight)
     assert "topk -> relu" in t.init.conversion[0]
+    # no lambda to inherit from a TopK run: the swapped model is denser than its target, so
+    # lambda starts at the gradient balance (not lambda0 = 1e-8)
+    info = t.init.lambda_info
+    assert info["source_density"] > 0.25 and info["lambda_rule"].startswith("gradient balance")
+    assert t.controller.coeff == info["measured_lambda"][0] > 1e-6
 
 
 def test_upcycle_a_dense_run_to_relu_experts(sources, make_overrides, tmp_path):

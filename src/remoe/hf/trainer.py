@@ -16,9 +16,12 @@ objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.losse
   and read back by ``train(resume_from_checkpoint=...)``;
 * ``lambda``, ``sparsity`` and ``reg_loss`` are added to the Trainer's training logs.
 
-Lambda starts (``init_lambda``) from the gradient balance at the routers on the first
-micro-batch (``"auto"``, :func:`remoe.train.init_from.initial_lambda`), the model config's
-``lambda0`` (``"config"``: the paper's start, meant for training from scratch) or a number.
+Lambda starts (``init_lambda``) where it fits the model (``"auto"``, the rule of
+``remoe train --set train.init_from``, :func:`remoe.train.init_from.pick_lambda`): the lambda
+the remoe run that saved the model ended with, else the gradient balance at the routers on the
+first micro-batch when the model is denser than its target, else ``model.lambda0``; or the
+config's ``lambda0`` (``"config"``: the paper's start, meant for training from scratch); or a
+number.
 ``revive_method: split`` needs remoe's own trainer (it edits the optimizer state) and is
 refused.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,9 +104,16 @@ class SparsityLoop:
         self.control = StepControl(self.controller, self.routers)
         self.init_lambda = init_lambda
         self.started = self.controller is None or init_lambda == "config"
+        self.lambda_rule = "model.lambda0" if init_lambda == "config" else None
         if isinstance(init_lambda, (int, float)) and self.controller is not None:
             self._start([float(init_lambda)], "init_lambda")
-        self.lambda_rule = "model.lambda0" if init_lambda == "config" else None
+        elif init_lambda == "auto" and self.controller is not None:
+            from remoe.train.init_from import saved_lambda
+
+            where = getattr(cfg, "_name_or_path", "") or ""
+            saved = saved_lambda(Path(where), cfg) if where and Path(where).is_dir() else None
+            if saved is not None:  # the remoe run that saved the model: its own lambda
+                self._start(*saved)
         self._reset()
         self.last: dict[str, Any] = {}
 
@@ -121,7 +132,7 @@ class SparsityLoop:
     def measure(self, model, inputs: dict[str, Any]) -> None:
         """``init_lambda="auto"``: lambda from the gradient balance on this micro-batch (the
         router weights get gradients for the measurement only)."""
-        from remoe.train.init_from import initial_lambda
+        from remoe.train.init_from import initial_lambda, pick_lambda
 
         weights = [r.weight for r in self.routers]
         was = [w.requires_grad for w in weights]
@@ -131,15 +142,17 @@ class SparsityLoop:
             batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask",
                                                                "labels")}
             with torch.enable_grad():
-                lams, _ = initial_lambda(model, batch, self.cfg.sparsity_control == "per_layer",
-                                         _dist(), routers=self.routers)
+                lams, info = initial_lambda(model, batch,
+                                            self.cfg.sparsity_control == "per_layer", _dist(),
+                                            routers=self.routers)
         finally:
             for w, r in zip(weights, was):
                 w.requires_grad_(r)
-        if lams:
-            self._start(lams, "gradient balance |g_lm| / |g_reg| at the routers")
+        values, rule = pick_lambda(self.cfg, None, None, lams, info)
+        if values:
+            self._start(values, rule)
         else:
-            self.started, self.lambda_rule = True, "model.lambda0 (no L_reg gradient)"
+            self.started, self.lambda_rule = True, rule
 
     def loss_term(self, out, scale: float) -> torch.Tensor:
         """``(lambda * L_reg + L_aux) * scale`` of one training micro-batch; sums its counts."""

@@ -429,43 +429,81 @@ def initial_lambda(model, inputs, per_layer: bool, dist_enabled: bool = False,
     return lams, info
 
 
-def checkpoint_lambda(src: Source, model_cfg) -> list[float] | None:
-    """A run checkpoint's own lambda(s), when the controller it was trained with is the one
-    this run uses (same router, target, per-layer or not): that lambda fits by construction."""
-    if src.state_file is None or src.model_type != "remoe":
-        return None
+def saved_lambda(model_dir: Path, model_cfg) -> tuple[list[float], str] | None:
+    """The lambda(s) the remoe run that wrote ``model_dir`` would have used next -- a run
+    checkpoint's controller state, or the ``final_lambda`` in the summary of the run whose
+    ``final/`` it is -- when this run's controller is the one it had (same router, target and
+    per-layer or not). That lambda fits the model by construction."""
     from remoe import ReMoEConfig, rundir
 
-    saved_cfg = ReMoEConfig.from_pretrained(src.model_dir)
+    model_dir = Path(model_dir)
+    if not model_cfg.uses_adaptive_reg or not (model_dir / "config.json").is_file():
+        return None
+    try:
+        saved_cfg = ReMoEConfig.from_pretrained(model_dir)
+    except Exception:  # noqa: BLE001 - not a remoe directory: nothing saved to reuse
+        return None
     same = (saved_cfg.router == model_cfg.router and saved_cfg.target_sparsity
             == model_cfg.target_sparsity and saved_cfg.sparsity_control
             == model_cfg.sparsity_control and saved_cfg.num_layers == model_cfg.num_layers)
-    if not same or not model_cfg.uses_adaptive_reg:
+    if not same:
         return None
-    state = rundir.load_state(src.model_dir).get("controller")
-    if not state:
-        return None
-    lam = state.get("lambda", state) if isinstance(state.get("lambda"), dict) else state
-    if "per_layer" in lam:
-        return [float(s["value"]) for s in lam["per_layer"]]
-    return [float(lam["value"])] if "value" in lam else None
+    if (model_dir / rundir.STATE_FILE).is_file():
+        state = rundir.load_state(model_dir).get("controller")
+        if state:
+            lam = state["lambda"] if isinstance(state.get("lambda"), dict) else state
+            if "per_layer" in lam:
+                return [float(c["value"]) for c in lam["per_layer"]], "the checkpoint's own lambda"
+            if "value" in lam:
+                return [float(lam["value"])], "the checkpoint's own lambda"
+    from remoe.hf.card import find_run_dir
+
+    run = find_run_dir(model_dir)
+    if run is not None and model_dir.name == "final" and (run / "summary.json").is_file():
+        try:
+            final = json.loads((run / "summary.json").read_text(encoding="utf-8"))["final_lambda"]
+        except (OSError, ValueError, KeyError):
+            return None
+        if isinstance(final, (int, float)) and final > 0:
+            return [float(final)], "the source run's final lambda"
+    return None
+
+
+def pick_lambda(model_cfg, fixed: float | None, saved: tuple[list[float], str] | None,
+                measured: list[float] | None, info: dict[str, Any]
+                ) -> tuple[list[float] | None, str]:
+    """The controller's first lambda(s) and why (None: ``model.lambda0``): ``fixed``
+    (train.init_lambda), else the saved one, else the gradient balance where the model is
+    denser than its target (per layer with per-layer control); a model (layer) already at or
+    below its target density starts at ``model.lambda0``: it needs no pressure yet, and the
+    controller raises lambda by alpha per step as soon as it gets denser."""
+    if fixed is not None:
+        return [float(fixed)], "train.init_lambda"
+    if saved is not None:
+        return saved
+    if measured is None:
+        return None, "model.lambda0 (no L_reg gradient)"
+    target = 1.0 - model_cfg.target_sparsity
+    lam0 = float(model_cfg.lambda0)
+    if model_cfg.sparsity_control == "per_layer":
+        dens = info.get("source_layer_density") or []
+        vals = [m if d > target else lam0 for m, d in zip(measured, dens)]
+        return vals, (f"gradient balance per layer where the density is above {target:.3g}, "
+                      "else model.lambda0")
+    d0 = info.get("source_density", 0.0)
+    if d0 > target:
+        return measured, (f"gradient balance |g_lm| / |g_reg| at the routers (density "
+                          f"{d0:.3f} above the target {target:.3f})")
+    return None, f"model.lambda0 (density {d0:.3f} at or below the target {target:.3f})"
 
 
 def choose_lambda(init: InitModel, fixed: float | None, input_ids, dist_enabled: bool) -> None:
-    """Set ``init.lambdas``: ``train.init_lambda`` when given, else a run checkpoint's own
-    lambda when it fits (:func:`checkpoint_lambda`), else the gradient balance
-    (:func:`initial_lambda`)."""
+    """Set ``init.lambdas`` (:func:`pick_lambda`) and record how they were chosen."""
     cfg = init.model.config
-    per_layer = cfg.sparsity_control == "per_layer"
-    lams, measured = initial_lambda(init.model, input_ids, per_layer, dist_enabled)
-    saved = checkpoint_lambda(init.source, cfg) if fixed is None else None
-    if fixed is not None:
-        init.lambdas, rule = [float(fixed)], "train.init_lambda"
-    elif saved is not None:
-        init.lambdas, rule = saved, "the checkpoint's own lambda"
-    else:
-        init.lambdas = lams
-        rule = measured["lambda_rule"] if lams else "model.lambda0 (no L_reg gradient)"
+    lams, measured = initial_lambda(init.model, input_ids, cfg.sparsity_control == "per_layer",
+                                    dist_enabled)
+    saved = saved_lambda(init.source.model_dir, cfg) if init.source.model_type == "remoe" else None
+    init.lambdas, rule = pick_lambda(cfg, fixed, saved, lams, measured)
     init.lambda_info = {**measured, "measured_lambda": lams, "lambda_rule": rule}
 
 
