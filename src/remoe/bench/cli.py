@@ -24,7 +24,7 @@ from pathlib import Path
 from remoe import allocator
 from remoe.allocator import MODES
 
-SUITES = ("layer", "model", "machine", "all", "load", "scale")  # load, scale: whole runs, not in "all"
+SUITES = ("layer", "model", "machine", "all", "load", "scale", "gpu")  # load, scale, gpu: not in "all"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None, help="model preset (default tiny; quick: micro)")
     g.add_argument("--stage-steps", type=int, default=None,
                    help="max steps of the stages I-II run (default 150; quick 4)")
+    g = p.add_argument_group("gpu suite (CUDA; without it: one line, exit 0)")
+    g.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
+    g.add_argument("--micro-batch", type=int, default=8, help="sequences per step (default 8)")
+    g.add_argument("--steps", type=int, default=10, help="timed steps per router (default 10)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense bf16 peak for MFU (default: the data-sheet table "
+                        "in remoe.bench.gpu; unknown devices report MFU vs a measured matmul)")
 
 
 def _cases(args) -> list:
@@ -140,6 +147,8 @@ def _stages_line(st: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch  # here, not at the top: `remoe bench --help` stays fast
 
+    if args.suite == "gpu":
+        return _run_gpu(args)
     from remoe.bench.procs import FreshProcesses
 
     from remoe.bench import common
@@ -269,6 +278,15 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
         print(f"\nmodel suite ({preset}): training (fwd+bwd+AdamW) and inference, "
               f"median of {reps} interleaved rounds")
         thr = in_child(model.throughput, reps=reps, **kw)
+        # host syncs of one real training step of each row on the CUDA code path (grouped_mm
+        # backend, one micro-batch), counted on this machine (remoe.bench.syncs)
+        from remoe.bench import syncs as step_syncs
+
+        sync_rows = in_child(step_syncs.count_all, [r["row"] for r in thr], preset=preset,
+                             grad_accum=1)
+        for r, s in zip(thr, sync_rows):
+            r.update(syncs_per_step=s["total"], syncs_forward=s["forward"],
+                     syncs_backward=s["backward"], syncs_step=s["step"])
         for r in thr:
             if use_cpu:
                 r["train_mfu"] = r["train_gflops"] * r["train_step_ms"] / r["train_cpu_ms"] / peak
@@ -286,7 +304,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
         mem = in_child(model.memory, **kw)
         targets = _judge(model.model_targets(thr, mem, metric, preset=preset), args.quick)
         res["model"] = {"preset": preset, "throughput": thr, "stages": st, "memory": mem,
-                        "targets": targets}
+                        "targets": targets, "syncs": sync_rows}
         print()
         print(_fmt_table(thr, [("row", "row   ", ""), ("train_tokens_per_s", "train tok/s", ".0f"),
                                ("train_vs_dense", "x dense", ".2f"),
@@ -295,7 +313,12 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
                                ("infer_vs_dense", "x dense", ".2f"),
                                ("infer_vs_dense_cpu", "x dense cpu", ".2f"),
                                ("sparsity_mean", "sparsity", ".3f"),
+                               ("syncs_per_step", "syncs/step", "d"),
                                ("active_params", "active params", "d")]))
+        print("syncs/step: host synchronisations of one training step on the CUDA code path "
+              "(grouped_mm, 1 micro-batch), counted here: " + ", ".join(
+                  f"{s['router']} {s['forward']} fwd + {s['backward']} bwd + {s['step']} step"
+                  for s in sync_rows))
         print(_stages_line(st))
         for mm in mem:
             print(f"memory (recompute_experts={mm['recompute_experts']}): dense stage "
@@ -310,6 +333,31 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
     out_path.write_text(json.dumps(res, indent=1, default=float))
     print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)" + (" [smoke run]" if args.quick else ""))
     return 0
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """``--suite gpu`` (remoe.bench.gpu): one line and exit 0 without CUDA."""
+    import torch
+
+    from remoe.bench import gpu
+
+    if not torch.cuda.is_available():
+        print(gpu.NO_CUDA_LINE.format(torch=torch.__version__))
+        return 0
+    t_start = time.perf_counter()
+    out_path = args.out or Path("bench_results") / "gpu.json"
+    res = {"schema": "remoe-bench-gpu/1", "command": " ".join(sys.argv),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    res.update(gpu.run_suite(torch.device("cuda"), preset=args.preset or "small",
+                             seq_len=args.seq_len, micro_batch=args.micro_batch,
+                             steps=args.steps, peak_tflops=args.peak_tflops))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1, default=float))
+    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)")
+    bad = [r["router"] for r in res["loss_check"] if not r["ok"]]
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from remoe.errors import ConfigError
 from remoe.model import dispatch
-from remoe.model.experts import SwiGLUExperts
+from remoe.model.experts import SwiGLUExperts, autocast_input
 from remoe.model.moe import MoELayer
 
 def ep_routers() -> tuple[str, ...]:
@@ -163,6 +163,7 @@ class ExpertParallelExperts(SwiGLUExperts):
 
     def forward_tokens(self, x_TD: Tensor, gates_TN: Tensor, plan: dispatch.Dispatch) -> Tensor:
         """``y_t = sum_e gates_TN[t, e] * SwiGLU_e(x_t)`` over all N experts (see forward)."""
+        x_TD = autocast_input(x_TD)  # bf16 autocast: exchange bf16 rows, not the fp32 stream
         x_PD = dispatch.permute(x_TD, plan)
         y_PD = self.forward(x_PD, plan.counts_N)
         gates_P = gates_TN[plan.token_idx_P, plan.expert_idx_P]

@@ -67,6 +67,20 @@ def swiglu_reference(x_PD: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor, counts_
     return torch.cat(outs)
 
 
+def autocast_input(x: Tensor) -> Tensor:
+    """``x`` in the autocast dtype when autocast is on for its device (else unchanged).
+
+    Autocast covers ``nn.Linear`` but not ``grouped_mm`` / ``bmm`` on stacked weights, and the
+    MoE layer's input is the fp32 residual stream after an RMSNorm: without this the experts
+    of a bf16-autocast run would compute in fp32 (on CUDA: not on ``grouped_mm`` at all)."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if x.dtype != dt:
+            return x.to(dt)
+    return x
+
+
 def grouped_mm_supported(x: Tensor, width: int) -> bool:
     elem = x.element_size()
     aligned = (x.shape[-1] * elem) % 16 == 0 and (width * elem) % 16 == 0
@@ -272,6 +286,7 @@ class SwiGLUExperts(nn.Module):
         ``plan`` groups the active pairs by expert (:func:`remoe.model.dispatch.plan`). Tokens
         without an active expert get exact zeros.
         """
+        x_TD = autocast_input(x_TD)
         backend = self.resolve_backend(x_TD)
         w_in, w_out = self.w_in_ND2H, self.w_out_NHD
         if x_TD.dtype != w_in.dtype:  # autocast does not cover grouped_mm / bmm on stacked weights
@@ -313,6 +328,7 @@ class SwiGLUExperts(nn.Module):
         (how the MoE layer calls experts wrapped by PEFT, whose call applies the adapter)."""
         if plan is not None:
             return self.forward_tokens(x_PD, gates_TN, plan)
+        x_PD = autocast_input(x_PD)
         backend = backend or self.resolve_backend(x_PD)
         if backend in ("fused", "measured"):  # jagged rows without a plan: grouped_mm computes them
             backend = "grouped_mm" if grouped_mm_supported(x_PD, self.d_expert) else "reference"

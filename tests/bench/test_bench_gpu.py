@@ -1,0 +1,52 @@
+"""``remoe bench --suite gpu`` (issue 28): one line without CUDA; its CUDA-path logic on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remoe.bench import cli, gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_one_line_and_exit_0(capfd, tmp_path):
+    assert cli.main(["--suite", "gpu", "--out", str(tmp_path / "gpu.json")]) == 0
+    out, err = capfd.readouterr()
+    assert out.count("\n") == 1 and out.startswith("gpu suite: no CUDA device here")
+    assert not (tmp_path / "gpu.json").exists()
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA A10G", None),
+    ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla T4", None)])
+def test_data_sheet_peaks(name, peak):
+    assert gpu.peak_bf16_tflops(name) == peak
+
+
+def test_suite_logic_on_cpu():
+    """The whole suite on CPU with a micro model: bf16 autocast puts the experts on grouped_mm
+    in bf16, the on-device plan runs, and the syncs are those of the CUDA path."""
+    lines = []
+    res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,
+                        warmup=1, vocab=384, matmul_n=128, log=lines.append)
+    assert res["device"] == "cpu" and res["peak_bf16_tflops"] is None
+    for r in res["loss_check"]:
+        assert r["ok"], r
+        assert r["expert_input_dtype_fp32"] == r["expert_input_dtype_bf16"] == (
+            [] if r["router"] == "dense" else ["float32"])  # the residual stream stays fp32
+    rows = {r["router"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "topk", "relu"}
+    for name, r in rows.items():
+        assert r["backend"] == "grouped_mm" and r["precision"] == "bf16"
+        assert r["tokens_per_s"] > 0 and r["train_tflops"] > 0 and r["mfu"] is None
+        assert r["syncs_backward"] == 0 and r["syncs_step"] == 1, r["syncs_report"]
+        moe = name != "dense"
+        assert r["expert_input_dtype"] == (["bfloat16xbfloat16"] if moe else [])
+        assert r["syncs_forward"] == (r["moe_layers"] if name == "relu" else 0), r["syncs_report"]
+        assert (r["sparsity"] is not None) == moe
+    assert rows["relu"]["sparsity"] > 0.7  # forced into the sparse stage III
+    text = gpu.table(res)
+    assert text.splitlines()[0].startswith("| device | preset | router |")
+    assert "| cpu | micro | relu | bf16 |" in text and "not run (fewer than 2 GPUs)" in text
+    assert any("bf16 vs fp32" in x for x in lines)
