@@ -43,6 +43,11 @@ def test_quick_all_suites_write_expected_json(tmp_path, capfd):
     assert {r["row"] for r in mod["throughput"]} == {"dense", "topk", "relu"}
     for r in mod["throughput"]:
         assert r["train_tokens_per_s"] > 0 and r["infer_tokens_per_s"] > 0
+        # host syncs per step on the CUDA code path beside tokens/s (issue 28)
+        assert r["syncs_backward"] == 0 and r["syncs_step"] == 1
+        assert r["syncs_per_step"] == r["syncs_forward"] + 1
+        assert r["syncs_forward"] == (2 if r["row"] == "relu" else 0)  # micro: 2 MoE layers
+    assert [s["router"] for s in mod["syncs"]] == [r["row"] for r in mod["throughput"]]
     relu_row = next(r for r in mod["throughput"] if r["row"] == "relu")
     assert relu_row["sparsity_mean"] > 0.5  # forced into the sparse stage
     assert mod["stages"]["steps_run"] >= 1 and len(mod["stages"]["steps"]) == mod["stages"]["steps_run"]
