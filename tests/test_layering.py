@@ -16,6 +16,7 @@ FORBIDDEN = {
 }
 # neutral low modules: nothing above the model and data
 LOW = {"errors.py", "registry.py", "rundir.py", "runlock.py", "runfiles.py", "loading.py",
+       "dcpread.py",
        "stages.py", "losses.py", "sparsity.py", "threads.py", "config.py"}
 ABOVE = ("remoe.train", "remoe.eval", "remoe.analysis", "remoe.study", "remoe.bench", "remoe.cli")
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from remoe import rundir
+from remoe import dcpread, rundir
 from remoe.errors import ConfigError
 
 STATE_FILE = rundir.STATE_FILE
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
@@ -46,11 +47,24 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """Load a model from a run/checkpoint/HF directory: returns ``(model, tokenizer_path|None)``."""
+    """Load a model from a run/checkpoint/HF directory: returns ``(model, tokenizer_path|None)``.
+
+    A sharded checkpoint (``train.fsdp=true``: ``dcp/`` instead of ``model.safetensors``) is
+    read in this one process through :mod:`remoe.dcpread` (nothing in its files can run)."""
     from remoe.model import ReMoEForCausalLM
 
     d = resolve_model_dir(path)
-    model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
+    if dcpread.is_sharded(d):  # a checkpoint of a train.fsdp run: config.json + dcp/ shards
+        from remoe.config import ReMoEConfig
+
+        model = ReMoEForCausalLM(ReMoEConfig.from_pretrained(d))
+        dcpread.load_model_weights(model, d)
+        model = model.to(device).eval()
+    elif not any((d / f).is_file() for f in _WEIGHT_FILES):
+        raise ConfigError(f"{d} has a config.json but no weights ({' or '.join(_WEIGHT_FILES)} "
+                          "or dcp/); point at a run, a checkpoint or a saved model directory")
+    else:
+        model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
     tok = d / "tokenizer.json"
     if not tok.exists() and (d.parent.parent / "final" / "tokenizer.json").exists():
         tok = d.parent.parent / "final" / "tokenizer.json"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from remoe import rundir
+from remoe import dcpread, rundir
 from remoe.errors import ConfigError
 
 DCP_DIR = "dcp"
@@ -148,11 +148,12 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, state: dict[str, 
 
 def load_sharded(ckpt: Path, model, optimizer, ep=None) -> None:
     """Collective: load the model and optimizer state of a sharded checkpoint (any world size)
-    into this rank's shards."""
-    import torch.distributed.checkpoint as dcp
+    into this rank's shards. The files are read through :mod:`remoe.dcpread` (an allow-list
+    unpickler for ``.metadata``, ``weights_only`` for the rest): a crafted file runs nothing."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     sd = training_state(model, optimizer, ep)
-    dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR))
+    # never torch's own reader: it unpickles .metadata with plain pickle (remoe.dcpread)
+    dcpread.load(sd, Path(ckpt) / DCP_DIR)
     sd = _ep_to_local(sd, ep)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
