@@ -65,10 +65,11 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(ckpt_dir: Path) -> None:
-    """``checksums.json``: size and sha256 of every file; written last, before the rename."""
-    files = {str(p.relative_to(ckpt_dir)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(ckpt_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+    """``checksums.json``: size and sha256 of every file; written last, before the rename (the
+    writer lives with the saved model's code: a re-saved model directory regenerates it)."""
+    from remoe.hf.bundle import write_checksums
+
+    write_checksums(ckpt_dir)
 
 
 def verify_manifest(ckpt_dir: Path, required: tuple[str, ...] = (WEIGHTS_FILE, STATE_FILE)) -> str | None:

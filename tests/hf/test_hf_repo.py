@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -109,6 +110,12 @@ print("JSON" + json.dumps(out))
     assert torch.allclose(torch.tensor(got["resaved"]), want["relu"], atol=1e-5, rtol=0)
     resaved = {p.name for p in (tmp_path / "resaved").iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "modeling_remoe.py"} <= resaved
+    # the bundled code carries the card and regenerates checksums.json (issue 24)
+    from remoe import rundir
+
+    assert (tmp_path / "resaved" / "README.md").read_text() == \
+        (Path(dirs["relu"]) / "README.md").read_text()
+    assert rundir.verify_manifest(tmp_path / "resaved", required=("model.safetensors",)) is None
 
 
 def test_save_pretrained_writes_the_code_and_carries_the_tokenizer(tmp_path, save_micro):

@@ -16,15 +16,27 @@ from __future__ import annotations
 import argparse
 
 
+#: what each conversion does (the CLI's help, and a converted model's card)
+HELPS = {"upcycle": "dense remoe / transformers Llama -> E-expert ReLU ReMoE (copied experts)",
+         "from-hf": "transformers Mixtral / Qwen2-MoE / OLMoE -> ReMoE (experts kept, "
+                    "router from the softmax one)",
+         "to-hf": "TopK ReMoE -> transformers Mixtral / Qwen2-MoE / OLMoE, dense ReMoE -> "
+                  "transformers Llama (lossless only)"}
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The conversion as a command line (for the card), SRC and DST as given."""
+    opts = {"upcycle": f" --experts {getattr(args, 'experts', '')} --top-k "
+                       f"{getattr(args, 'top_k', '')} --seed {getattr(args, 'seed', '')}",
+            "from-hf": f" --router {getattr(args, 'router', '')}"
+                       + (f" --top-k {args.top_k}" if getattr(args, "top_k", None) else "")}
+    return f"remoe convert {args.kind} {args.src} {args.dst}{opts.get(args.kind, '')}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="kind", metavar="KIND")
     sub.required = True
-    helps = {"upcycle": "dense remoe / transformers Llama -> E-expert ReLU ReMoE (copied experts)",
-             "from-hf": "transformers Mixtral / Qwen2-MoE / OLMoE -> ReMoE (experts kept, "
-                        "router from the softmax one)",
-             "to-hf": "TopK ReMoE -> transformers Mixtral / Qwen2-MoE / OLMoE, dense ReMoE -> "
-                      "transformers Llama (lossless only)"}
-    for name, text in helps.items():
+    for name, text in HELPS.items():
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("src", metavar="SRC", help="source model directory")
         p.add_argument("dst", metavar="DST", help="destination directory (new or empty)")
@@ -71,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_lossless(ReMoEConfig.from_pretrained(args.src))  # before loading any weight
         model = to_hf(io.load_remoe(args.src))
-    io.save(model, args.src, dst)
+    io.save(model, args.src, dst, command=_command(args), what=HELPS[args.kind])
     c = model.config
     print(f"remoe convert {args.kind}: wrote {dst} ({c.model_type}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters)")

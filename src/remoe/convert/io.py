@@ -62,12 +62,23 @@ def check_destination(dst: str | Path, force: bool) -> Path:
     return d
 
 
-def save(model: Any, src: str | Path, dst: str | Path) -> Path:
-    """``save_pretrained`` (safetensors), then the source's tokenizer files."""
+def save(model: Any, src: str | Path, dst: str | Path, command: str = "remoe convert",
+         what: str = "") -> Path:
+    """``save_pretrained`` (safetensors), then the source's tokenizer files; a ReMoE gets a
+    model card naming its source, the conversion ``command`` and ``what`` it does, and the
+    source's licence (from its README.md)."""
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(d, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (Path(src) / name).is_file() and not (d / name).exists():
             shutil.copyfile(Path(src) / name, d / name)
+    if getattr(model.config, "model_type", None) == "remoe":
+        from remoe.hf.bundle import CHECKSUMS_FILE, write_checksums
+        from remoe.hf.card import source_licence, write_card
+
+        write_card(d, model, source={"path": str(src), "model_type": model_type(src),
+                                     "command": command, "what": what, **source_licence(src)})
+        if (d / CHECKSUMS_FILE).is_file():
+            write_checksums(d)
     return d

@@ -48,6 +48,18 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def new_file_mode() -> int:
+    """0o666 less the process umask (the mode ``open()`` gives a new file), read from
+    /proc/self/status where it is (changing the umask to read it races other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            mask = next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path``; on success fsync and ``os.replace`` it into place.
@@ -59,6 +71,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Bina
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode())  # mkstemp makes it 0600: give it what open() would
         with os.fdopen(fd, mode) as f:
             yield f  # type: ignore[misc]
             f.flush()

@@ -203,6 +203,8 @@ def write_hf_tokenizer_files(path: str | os.PathLike[str], directory: str | os.P
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "padding_side": "left",
+        # no token_type_ids: transformers 4.x's generate refuses an input the model does not take
+        "model_input_names": ["input_ids", "attention_mask"],
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,

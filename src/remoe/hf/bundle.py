@@ -216,11 +216,51 @@ def write_code(directory: str | os.PathLike) -> list[str]:
     return sorted(files)
 
 
-def finish_save(model, directory: str | os.PathLike) -> None:
-    """After ``save_pretrained``: the code and ``auto_map``; the tokenizer files of the directory
-    the model was loaded from, when it had them and ``directory`` does not; a model card when
-    ``directory`` has none (remoe only)."""
+CARD_FILE = "README.md"
+CHECKSUMS_FILE = "checksums.json"  # remoe.rundir.MANIFEST
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0o666 less the process umask (read from
+    /proc/self/status where it is, so no other thread sees the umask change)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_checksums(directory: str | os.PathLike) -> None:
+    """``checksums.json``: size and sha256 of every other file under ``directory`` (the format
+    :func:`remoe.rundir.verify_manifest` checks)."""
+    import hashlib
+
     d = Path(directory)
+    files = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and p.name != CHECKSUMS_FILE:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            files[p.relative_to(d).as_posix()] = {"size": p.stat().st_size,
+                                                  "sha256": h.hexdigest()}
+    (d / CHECKSUMS_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def finish_save(model, directory: str | os.PathLike) -> None:
+    """After ``save_pretrained``: the code and ``auto_map``; from the directory the model was
+    loaded from, its tokenizer files and its model card when ``directory`` has none; else a new
+    model card (remoe only); the saved files readable as the umask allows (transformers writes
+    the weights 0600); last, ``checksums.json`` regenerated when the source directory or
+    ``directory`` had one."""
+    d = Path(directory)
+    had_checksums = (d / CHECKSUMS_FILE).is_file()
     write_code(d)
     src = Path(str(getattr(model.config, "_name_or_path", "") or ""))
     if src.is_dir() and src.resolve() != d.resolve():
@@ -228,8 +268,18 @@ def finish_save(model, directory: str | os.PathLike) -> None:
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copyfile(src / f, d / f)
-    if _in_package() and not (d / "README.md").exists():
+        if (src / CARD_FILE).is_file() and not (d / CARD_FILE).exists():
+            shutil.copyfile(src / CARD_FILE, d / CARD_FILE)
+        had_checksums = had_checksums or (src / CHECKSUMS_FILE).is_file()
+    if _in_package() and not (d / CARD_FILE).exists():
         import importlib
 
         card = importlib.import_module(__name__.rsplit(".", 1)[0] + ".card")
         card.write_card(d, model)
+    mode = new_file_mode()
+    for p in d.iterdir():
+        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) != mode and (
+                p.suffix in (".safetensors", ".json", ".py") or p.name == CARD_FILE):
+            os.chmod(p, mode)
+    if had_checksums:
+        write_checksums(d)

@@ -1,12 +1,16 @@
 """The model card (``README.md``) of a saved model directory, written from what the run knows.
 
-Sections: architecture; routing (router, E/k/G, target and measured sparsity); parameters
-(total, active per token); training data (the run's ``data.sources``, tokenizer); training
-(steps, tokens, FLOPs, learning rate); final losses (train LM loss, validation loss per
-domain); usage (load, generate, lm-eval). The numbers come from the run directory
+Sections: architecture; routing (router, E/k/G, experts per token: the target and the
+measured figure with where it was measured); parameters (total, active per token at the target
+and at the measured figure); training data (the run's ``data.sources``, tokenizer); training
+(steps, tokens, FLOPs, learning rate); final losses (train LM loss, validation loss per domain
+and on how many sequences); licence (the ``license`` field: the built-in corpus's data
+licences, a converted model's source licence, else ``unknown``); usage (with ``AutoTokenizer``
+only when the directory has a tokenizer; lm-eval). The numbers come from the run directory
 (``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``) when the model directory lies in one (a
-run's ``final/`` or a checkpoint), and are left out otherwise. No links: the card only names
-things.
+run's ``final/`` or a checkpoint), and are left out otherwise; a converted model's card names
+its source and the conversion (``source``, written by ``remoe convert``). No links: the card
+only names things.
 """
 
 from __future__ import annotations
@@ -69,37 +73,126 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _router_summary(router: str) -> str:
+    """The first paragraph of the router class's docstring (on one line)."""
     try:
         from remoe import registry
 
-        doc = (registry.resolve(router).__doc__ or "").strip().splitlines()
+        doc = (registry.resolve(router).__doc__ or "").strip()
     except Exception:  # a user router that is not importable here: its name is enough
-        doc = []
-    return doc[0].strip() if doc else router
+        doc = ""
+    para = " ".join(ln.strip() for ln in doc.split("\n\n")[0].splitlines())
+    return para or router
 
 
-def card_text(model, facts: dict[str, Any], directory: Path | None = None) -> str:
-    """The card's markdown for ``model`` (a :class:`remoe.ReMoEForCausalLM`) and run facts."""
+def _data_licences(data: dict[str, Any]) -> list[str]:
+    """One line per training-data source: its licence (built-in ones), or that it is the
+    user's data with its own terms."""
+    from remoe.data.builtin import builtin_sources
+    from remoe.data.corpus import parse_source
+
+    out: list[str] = []
+    for spec in data.get("sources") or []:
+        try:
+            parsed = parse_source(str(spec))
+        except ValueError:
+            parsed = None
+        if parsed is not None and parsed.kind == "builtin":
+            for src in builtin_sources(parsed.domains):
+                line = f"`{src.name}` (built-in, domain {src.domain}): {src.licence}"
+                if line not in out:
+                    out.append(line)
+        else:
+            out.append(f"`{spec}`: the licence of that data (not recorded by remoe)")
+    return out
+
+
+def source_licence(src: str | os.PathLike) -> dict[str, str]:
+    """``license`` (and ``license_name``) from the YAML header of a model directory's
+    README.md; empty when it has none."""
+    try:
+        text = (Path(src) / "README.md").read_text(encoding="utf-8")
+        if not text.startswith("---"):
+            return {}
+        head = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except (OSError, ValueError, IndexError, yaml.YAMLError):
+        return {}
+    if not isinstance(head, dict) or not isinstance(head.get("license"), str):
+        return {}
+    return {k: str(head[k]) for k in ("license", "license_name") if isinstance(head.get(k), str)}
+
+
+def _has_tokenizer(directory: Path | None) -> bool:
+    return directory is not None and any((directory / f).is_file() for f in (
+        "tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def _per_expert_params(model) -> int:
+    """Parameters of one routed expert, summed over the MoE layers."""
+    n = 0
+    for block in getattr(model, "layers", []):
+        experts = getattr(block.ffn, "experts", None)
+        if experts is not None and hasattr(experts, "w_in_ND2H"):
+            n += experts.w_in_ND2H[0].numel() + experts.w_out_NHD[0].numel()
+    return n
+
+
+def card_text(model, facts: dict[str, Any], directory: Path | None = None,
+              source: dict[str, Any] | None = None) -> str:
+    """The card's markdown for ``model`` (a :class:`remoe.ReMoEForCausalLM`), run facts and,
+    for a converted model, ``source``: ``path``, ``model_type``, ``command`` (the conversion
+    command), ``what`` (what the conversion does) and the source's ``license`` /
+    ``license_name`` (:func:`source_licence`)."""
     c = model.config
     total, active = model.num_parameters(), model.num_parameters(active=True)
     E, k, G = c.num_experts, c.moe_top_k, c.granularity
-    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
-             "tags:", "- remoe", "- mixture-of-experts", "- custom_code", "---", "",
-             f"# {facts.get('run_name') or 'ReMoE model'}", "",
-             "A decoder-only language model trained with remoe (ReLU-routed Mixture-of-Experts, "
-             "ICLR 2025). Its code is in this directory: load it with `trust_remote_code=True` "
-             "(remoe itself is not needed).", "",
-             "## Architecture", "",
-             f"- LLaMA-style decoder: {c.num_layers} layers, hidden size {c.hidden_size}, "
-             f"{c.num_heads} query / {c.num_kv_heads} key-value heads, RoPE (theta "
-             f"{c.rope_theta:g}), RMSNorm, SwiGLU FFN of width {c.ffn_hidden_size}, untied "
-             "embeddings",
-             f"- vocabulary {c.vocab_size}, context {c.max_position_embeddings} tokens",
-             f"- router `{c.router}`: {_router_summary(c.router)}"]
+    data, train = facts.get("data") or {}, facts.get("train") or {}
+    last, ev = facts.get("last"), facts.get("eval")
+    licences = _data_licences(data) if data else []
+    if source:
+        lic = {"license": source.get("license") or "unknown"}
+        if source.get("license_name"):
+            lic["license_name"] = source["license_name"]
+    elif licences:
+        lic = {"license": "other", "license_name": "training-data-licences"}
+    else:
+        lic = {"license": "unknown"}
+    lines = ["---", *(f"{key}: {val}" for key, val in lic.items()),
+             "library_name: transformers", "pipeline_tag: text-generation",
+             "tags:", "- remoe", "- mixture-of-experts", "- custom_code", "---", ""]
+    if source:
+        name = Path(str(source.get("path", ""))).name or "a model"
+        lines += [f"# {facts.get('run_name') or name + ' (converted to ReMoE)'}", "",
+                  f"A decoder-only Mixture-of-Experts language model converted with remoe "
+                  f"(ReLU-routed Mixture-of-Experts, ICLR 2025) from the "
+                  f"`{source.get('model_type', '?')}` model `{source.get('path', '?')}`: "
+                  f"`{source.get('command', 'remoe convert')}` ({source.get('what', '')}). "
+                  "It has not been trained after the conversion.", ""]
+    else:
+        lines += [f"# {facts.get('run_name') or 'ReMoE model'}", "",
+                  "A decoder-only language model " + ("trained with remoe" if last else
+                                                      "saved by remoe")
+                  + " (ReLU-routed Mixture-of-Experts, ICLR 2025)"
+                  + (f", initialised from `{train['init_from']}`" if train.get("init_from")
+                     else "") + ".", ""]
+    lines += ["Its code is in this directory: load it with `trust_remote_code=True` "
+              "(remoe itself is not needed).", "",
+              "## Architecture", "",
+              f"- LLaMA-style decoder: {c.num_layers} layers, hidden size {c.hidden_size}, "
+              f"{c.num_heads} query / {c.num_kv_heads} key-value heads, RoPE (theta "
+              f"{c.rope_theta:g}), RMSNorm, SwiGLU FFN of width {c.ffn_hidden_size}, untied "
+              "embeddings",
+              f"- vocabulary {c.vocab_size}, context {c.max_position_embeddings} tokens",
+              f"- router `{c.router}`: {_router_summary(c.router)}"]
+    measured = None
+    if c.is_moe and last and isinstance(last.get("active_k"), (int, float)):
+        measured = float(last["active_k"])
     if c.is_moe:
+        where = (f"measured {measured:.2f} on the training batch of step {last['step']:,} "
+                 "(metrics.jsonl)") if measured is not None else "not measured"
         lines.append(f"- experts: E={E}, k={k}, G={G} ({E * G} experts of width "
-                     f"{c.ffn_hidden_size // G} per layer, {k * G} active per token on "
-                     f"average); target sparsity 1 - k/E = {c.target_sparsity:.4f}")
+                     f"{c.ffn_hidden_size // G} per layer); experts per token and layer: "
+                     f"target {k * G}, {where}; target sparsity 1 - k/E = "
+                     f"{c.target_sparsity:.4f}")
     parts = [what for on, what in (
         (getattr(c, "attention_bias", False), "q/k/v biases"),
         (getattr(c, "qk_norm", False), "RMSNorm on the query and key projections"),
@@ -108,15 +201,20 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None) -> st
          + (", sigmoid-gated" if getattr(c, "shared_expert_gate", True) else ""))) if on]
     if parts:
         lines.append(f"- also: {'; '.join(parts)}")
-    lines += [f"- parameters: {total:,} total, {active:,} active per token", ""]
-    data, train = facts.get("data") or {}, facts.get("train") or {}
+    params = f"- parameters: {total:,} total, {active:,} active per token"
+    if c.is_moe:
+        params += " at the target"
+        per_expert = _per_expert_params(model)
+        if measured is not None and per_expert:  # the N - measured experts a token skipped
+            ran = total - (E * G - measured) * per_expert
+            params += f", about {ran:,.0f} at the measured {measured:.2f}"
+    lines += [params, ""]
     if data:
         lines += ["## Training data", "",
                   "- sources: " + ", ".join(f"`{s}`" for s in data.get("sources") or []),
                   f"- tokenizer: byte-level BPE, vocabulary {data.get('vocab_size', 'n/a')} "
                   f"({'trained on the training split' if not data.get('tokenizer') else 'given'})",
                   ""]
-    last, ev = facts.get("last"), facts.get("eval")
     if last:
         lines += ["## Training", "",
                   f"- {last['step']:,} steps, {_num(last.get('tokens'), ',')} tokens, "
@@ -127,27 +225,61 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None) -> st
                   f"- train LM loss {_num(last.get('lm_loss'), '.4f')}"]
         if c.is_moe:
             lines.append(f"- sparsity {_num(last.get('sparsity'), '.4f')} (target "
-                         f"{c.target_sparsity:.4f})")
+                         f"{c.target_sparsity:.4f}) on the training batch of that step")
         if ev:
+            chunks = train.get("eval_chunks_per_domain", _default_eval_chunks())
             lines.append(f"- validation loss {_num(ev.get('val_loss'), '.4f')} at step "
-                         f"{ev['step']:,}")
+                         f"{ev['step']:,}, on {chunks} sequences of {train.get('seq_len', 'n/a')}"
+                         " tokens per domain (train.eval_chunks_per_domain; `remoe eval` scores"
+                         " the whole split)")
             lines += ["", "| domain | validation loss |", "|---|---|"]
             lines += [f"| {d} | {_num(v, '.4f')} |" for d, v in
                       sorted((ev.get("domains") or {}).items())]
         lines.append("")
-    lines += ["## Usage", "", "```python",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              "tok = AutoTokenizer.from_pretrained(path)  # left padding, pad = eos",
-              "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
-              "batch = tok(['Once upon a time', 'The'], return_tensors='pt', padding=True)",
-              "out = model.generate(**batch, max_new_tokens=20, do_sample=False)",
-              "print(tok.batch_decode(out, skip_special_tokens=True))", "```", "",
-              "Evaluation with lm-eval's command line:", "", "```",
-              "lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True "
-              "--tasks TASK", "```", "",
-              f"The tokenizer's end-of-text token `{_eos(directory)}` is also its padding and "
-              "beginning-of-sequence token; it never appears inside a document.", ""]
+    lines += ["## Licence", ""]
+    if source:
+        lines.append(f"- the source model's terms apply: `{lic['license']}`"
+                     + (f" ({lic['license_name']})" if lic.get("license_name") else "")
+                     + (" (read from the source's README.md)" if source.get("license")
+                        else " (the source directory's README.md names none)"))
+    elif licences:
+        lines += ["- the weights were trained on data under these licences:"]
+        lines += [f"  - {x}" for x in licences]
+    else:
+        lines.append("- not recorded (saved outside a training run, from no known data)")
+    lines += ["- the bundled code (`*.py`) is remoe's, Apache-2.0", ""]
+    lines += ["## Usage", "", "```python"]
+    if _has_tokenizer(directory):
+        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  "tok = AutoTokenizer.from_pretrained(path)  # left padding, pad = eos",
+                  "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+                  "batch = tok(['Once upon a time', 'The'], return_tensors='pt', padding=True)",
+                  "out = model.generate(**batch, max_new_tokens=20, do_sample=False)",
+                  "print(tok.batch_decode(out, skip_special_tokens=True))", "```", "",
+                  "Evaluation with lm-eval's command line (needs `accelerate` installed):", "",
+                  "```",
+                  "lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True "
+                  "--tasks TASK", "```", "",
+                  f"The tokenizer's end-of-text token `{_eos(directory)}` is also its padding "
+                  "and beginning-of-sequence token; it never appears inside a document.", ""]
+    else:
+        lines += ["import torch",
+                  "from transformers import AutoModelForCausalLM",
+                  "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
+                  "ids = torch.tensor([[1, 2, 3]])  # token ids of the model's vocabulary",
+                  "out = model.generate(ids, max_new_tokens=20, do_sample=False)", "```", "",
+                  "This directory has no tokenizer files: token ids go in and come out; use "
+                  "the tokenizer the model was trained or converted with.", ""]
     return "\n".join(lines)
+
+
+def _default_eval_chunks() -> Any:
+    try:
+        from remoe.train.config import TrainConfig
+
+        return TrainConfig.__dataclass_fields__["eval_chunks_per_domain"].default
+    except Exception:  # noqa: BLE001 - a card is written even if the train package cannot load
+        return "n/a"
 
 
 def _eos(directory: Path | None) -> str:
@@ -161,10 +293,11 @@ def _eos(directory: Path | None) -> str:
 
 
 def write_card(directory: str | os.PathLike, model, run_dir: Path | None = None,
-               step: int | None = None) -> Path:
-    """Write ``directory/README.md``; ``run_dir`` defaults to the run holding ``directory``."""
+               step: int | None = None, source: dict[str, Any] | None = None) -> Path:
+    """Write ``directory/README.md``; ``run_dir`` defaults to the run holding ``directory``;
+    ``source``: a converted model's source (:func:`card_text`)."""
     d = Path(directory)
     facts = run_facts(run_dir if run_dir is not None else find_run_dir(d), step)
     path = d / "README.md"
-    path.write_text(card_text(model, facts, d), encoding="utf-8")
+    path.write_text(card_text(model, facts, d, source), encoding="utf-8")
     return path
