@@ -248,3 +248,22 @@ def test_cli_drops_the_default_models_section_and_refuses_in_one_line(sources, m
                  "--set=model.num_layers=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.num_layers=3" in err[0]
+
+
+def test_two_ranks_start_from_the_same_measured_lambda(sources, make_overrides, run_cmd,
+                                                        free_port, tmp_path):
+    """torchrun, 2 gloo ranks: each rank measures the gradient balance on its own batch; the
+    squared norms are summed, so both hold one lambda (every save checks that the ranks agree)."""
+    import sys
+
+    ov = [o for o in make_overrides(tmp_path, "ddp", **{
+        "train.init_from": sources / "topk", "model.router": "relu", "train.max_steps": 2,
+        "train.save_every": 1, "train.eval_every": 0, "analysis.record_masks_every": 0,
+        "train.micro_batch_size": 2, "train.num_threads": 1}) if not o.startswith("model.preset=")]
+    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             f"--master_port={free_port()}", "-m", "remoe.cli", "train", "--no-progress",
+             *[f"--set={o}" for o in ov]])
+    rec = json.loads((tmp_path / "ddp" / "init_from.json").read_text())
+    assert rec["lambda_rule"].startswith("gradient balance") and rec["lambda_start"][0] > 1e-6
+    first = json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["lambda"] == rec["lambda_start"][0]
