@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from remoe.runfiles import (DiskFullError, JsonlAppender, atomic_write_text, dumps_json,
-                            finite_or_none, is_disk_full, read_jsonl, say, temp_path, warn,
-                            writing)
+                            finite_or_none, fsync_dir, fsync_tree, is_disk_full, read_jsonl,
+                            say, temp_path, warn, writing)
 from remoe.runlock import (LOCK_FILE, RunLock, archive_contents, check_not_locked, contents,
                            is_temporary, remove_interrupted_writes, require_fresh)
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
     "CHECKPOINT_RE", "DiskFullError", "JsonlAppender", "LATEST", "LOCK_FILE", "MANIFEST",
+    "MANIFEST_KEY",
     "RunLock", "STATE_FILE", "WEIGHTS_FILE", "archive_contents", "atomic_write_text",
     "check_not_locked", "checkpoint_dirs", "contents", "dumps_json", "find_resumable",
     "finite_or_none", "is_disk_full", "is_temporary", "load_state", "read_jsonl", "read_latest",
@@ -54,6 +55,7 @@ STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
 DCP_METADATA = "dcp/.metadata"  # remoe.train.dcp
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
+MANIFEST_KEY = "has_manifest"  # in every trainer state written with a manifest beside it
 
 
 def _sha256(path: Path) -> str:
@@ -143,12 +145,17 @@ def find_resumable(ckpt_root: Path,
     """The newest checkpoint that verifies, its trainer state, and the newer ones skipped.
 
     A checkpoint verifies when its files match ``checksums.json`` and its trainer state loads.
-    One without a manifest (written before manifests existed, or whose manifest was deleted)
-    is accepted when its weights and trainer state both load. ``report`` gets one line per
+    One without a manifest is accepted (when its weights and trainer state both load) only if
+    it was written before manifests existed: never when its trainer state says a manifest was
+    written (:data:`MANIFEST_KEY`) or another checkpoint of the run has one, so deleting
+    ``checksums.json`` cannot switch the check off. ``report`` gets one line per
     skipped checkpoint and one when ``LATEST`` does not name the chosen one.
     """
     skipped: list[tuple[Path, str]] = []
     chosen, state = None, None
+    # a run whose checkpoints carry manifests never trusts one of its own without one
+    run_writes_manifests = ckpt_root.is_dir() and any(
+        (p / MANIFEST).is_file() for p in ckpt_root.iterdir() if p.is_dir())
     for ckpt in checkpoint_dirs(ckpt_root):
         # a sharded (DCP, train.fsdp) checkpoint has dcp/ instead of model.safetensors
         sharded = (ckpt / "dcp").is_dir()
@@ -164,6 +171,11 @@ def find_resumable(ckpt_root: Path,
                 raise ValueError("no step in it")
         except Exception as e:  # noqa: BLE001 - any failure means: not usable
             skipped.append((ckpt, f"unreadable {STATE_FILE} ({type(e).__name__})"))
+            state = None
+            continue
+        if legacy and (run_writes_manifests or state.get(MANIFEST_KEY)):
+            skipped.append((ckpt, f"missing {MANIFEST} (this run writes one with every "
+                                  "checkpoint; one without it is not trusted)"))
             state = None
             continue
         if legacy:
@@ -208,7 +220,11 @@ def remove_dir(path: Path) -> None:
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished directory ``tmp`` at ``final`` (the old one, if any, is removed)."""
+    """Put the finished directory ``tmp`` at ``final`` (the old one, if any, is removed).
+    Durable on return: every file of ``tmp`` is fsync'ed before the rename and the parent
+    directory after it, so a power loss never leaves a named checkpoint with empty files."""
+    fsync_tree(tmp)
     if final.exists():
         remove_dir(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)

@@ -85,13 +85,58 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
+# ----------------------------------------------------------------------------- durability
+# A rename is atomic but not durable: after a power loss the new name can point at a file whose
+# data never reached the disk. What resume relies on is made durable in this order: the files'
+# data (fsync each), then the directory entry of the rename (fsync the parent directory).
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (a rename into it, a new file) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return  # a file system without directory fds: nothing more can be done
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (deepest first)."""
+    dirs = [root]
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                fsync_file(p)
+        dirs += [Path(dirpath) / d for d in dirnames]
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``path`` through a temporary sibling and an atomic rename."""
+    """Write ``path`` through a temporary sibling and an atomic rename; durable on return
+    (the data is fsync'ed before the rename, the directory after it)."""
     tmp = temp_path(path)
     with writing(path, cleanup=tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -149,6 +194,12 @@ class JsonlAppender:
             view = memoryview(data)
             while view:
                 view = view[os.write(self.fd, view):]
+
+    def sync(self) -> None:
+        """Make every line written so far durable (before a checkpoint that counts on them)."""
+        if self.fd is not None:
+            with writing(self.path):
+                os.fsync(self.fd)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -55,8 +55,8 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
         if tokenizer_path:
             write_hf_tokenizer_files(tokenizer_path, tmp, m.config.max_position_embeddings)
         write_card(tmp, m, find_run_dir(final), step=(state or {}).get("step"))
-        if state is not None:
-            torch.save(state, tmp / STATE_FILE)
+        if state is not None:  # marked: a checkpoint of this run without a manifest is damaged
+            torch.save({**state, rundir.MANIFEST_KEY: True}, tmp / STATE_FILE)
         rundir.write_manifest(tmp)
         rundir.replace_dir(tmp, final)
     return final
@@ -152,7 +152,11 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]
 def check_resume_model(run_dir: Path, new: dict[str, Any]) -> None:
     """Refuse (one line naming the field) a resume that changes the model."""
     old = read_run_config(run_dir)
-    if old is None:
+    if old is None:  # compare with the newest checkpoint's config.json (the model it holds)
+        ckpts = [c for c in rundir.checkpoint_dirs(run_dir / "checkpoints")
+                 if (c / "config.json").is_file()]
+        if ckpts:
+            check_model_against_checkpoint(ckpts[0], new.get("model") or {})
         return
     refused, _ = config_changes(old, new)
     if refused:
@@ -162,13 +166,58 @@ def check_resume_model(run_dir: Path, new: dict[str, Any]) -> None:
                           "run or use --overwrite")
 
 
-def check_resume_config(run_dir: Path, new: dict[str, Any], new_yaml: str, step: int) -> None:
+def check_model_against_checkpoint(ckpt: Path, model: Any) -> None:
+    """Refuse (one line naming the field) a model that differs from the one the checkpoint's
+    ``config.json`` records (runtime fields excepted). ``model``: the ReMoEConfig about to be
+    trained, or a config's ``model`` section (its vocabulary, when it sets none, is the
+    checkpoint's: the tokenizer decides it)."""
+    from remoe.config import ReMoEConfig
+    from remoe.model_spec import ModelSpec
+
+    try:
+        saved = ReMoEConfig.from_pretrained(ckpt).spec.flat()
+    except Exception as e:  # noqa: BLE001 - any unreadable config.json
+        raise ConfigError(f"--resume: the run's config.yaml is missing and {ckpt.name}/config.json"
+                          f" is unreadable ({type(e).__name__}); nothing to check the model "
+                          "against: start a new run or use --overwrite") from None
+    explicit = set(model) if isinstance(model, dict) else set()  # named first when they differ
+    if isinstance(model, dict):
+        from remoe.config import PRESETS
+
+        fields = dict(model)
+        preset = fields.pop("preset", None)
+        fields = {**(PRESETS.get(preset, {}) if preset else {}), **fields}
+        if "vocab_size" not in model:  # a preset's is replaced by the tokenizer's (the trainer)
+            fields["vocab_size"] = saved.get("vocab_size")
+        new = ModelSpec.from_flat(fields).flat()
+    else:
+        new = model.spec.flat()
+    refused = [(k, new.get(k), saved.get(k))
+               for k in sorted(set(saved) | set(new), key=lambda k: (k not in explicit, k))
+               if k not in RUNTIME_MODEL_FIELDS and new.get(k) != saved.get(k)]
+    if refused:
+        k, v, was = refused[0]
+        more = f" (and {len(refused) - 1} more model field(s))" if len(refused) > 1 else ""
+        raise ConfigError(f"--resume: model.{k}={v} differs from the checkpoint's {was} "
+                          f"({ckpt.name}/config.json; the run's config.yaml is missing){more}; "
+                          "start a new run or use --overwrite")
+
+
+def check_resume_config(run_dir: Path, new: dict[str, Any], new_yaml: str, step: int,
+                        ckpt: Path | None = None, model_cfg=None) -> None:
     """Before a resume from ``step``: refuse model changes, warn (one line per field) about the
-    others and keep the run's old config.yaml as ``config.yaml.prev-<step>`` when it changes."""
+    others and keep the run's old config.yaml as ``config.yaml.prev-<step>`` when it changes.
+    Without a readable config.yaml the model is compared with ``ckpt``'s config.json
+    (``model_cfg``: the model about to be trained)."""
     path = run_dir / "config.yaml"
     old = read_run_config(run_dir)
     if old is None:
-        rundir.warn(f"--resume: {path} is missing or unreadable; nothing to compare the config "
+        if ckpt is not None and model_cfg is not None:
+            check_model_against_checkpoint(ckpt, model_cfg)
+        rundir.warn(f"--resume: {path} is missing or unreadable; the model was checked against "
+                    "the checkpoint's config.json, the other fields cannot be compared"
+                    if ckpt is not None and model_cfg is not None else
+                    f"--resume: {path} is missing or unreadable; nothing to compare the config "
                     "with")
         return
     check_resume_model(run_dir, new)

@@ -135,7 +135,7 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, state: dict[str, 
     if main:
         with rundir.writing(final, cleanup=tmp):
             getattr(model, "config").to_json_file(tmp / "config.json")
-            torch.save(state, tmp / rundir.STATE_FILE)
+            torch.save({**state, rundir.MANIFEST_KEY: True}, tmp / rundir.STATE_FILE)
             rundir.write_manifest(tmp)
             rundir.replace_dir(tmp, final)
         rundir.atomic_write_text(ckpt_root / rundir.LATEST, name)

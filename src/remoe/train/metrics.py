@@ -50,6 +50,10 @@ class MetricsWriter:
         self.out.write(record)
         self.last = record
 
+    def sync(self) -> None:
+        """fsync the lines written so far (a resume keeps those up to its checkpoint)."""
+        self.out.sync()
+
     def close(self) -> None:
         self.out.close()
 

@@ -18,7 +18,8 @@ from remoe.errors import ConfigError
 from remoe.train import checkpoint as ckpt_io
 
 
-def start_run_dir(run_dir: Path, cfg, resume: bool, is_main: bool, barrier: Callable[[], None]
+def start_run_dir(run_dir: Path, cfg, resume: bool, is_main: bool, barrier: Callable[[], None],
+                  model_cfg=None
                   ) -> tuple[rundir.RunLock | None, Path | None, dict[str, Any] | None]:
     """Lock ``run_dir`` (main rank), check it, and find the checkpoint to resume (every rank).
 
@@ -34,7 +35,7 @@ def start_run_dir(run_dir: Path, cfg, resume: bool, is_main: bool, barrier: Call
                 resume_from, state = ckpt_io.find_resume_checkpoint(ckpt_root)
                 if resume_from is not None:
                     ckpt_io.check_resume_config(run_dir, cfg.to_dict(), cfg.to_yaml(),
-                                                int(state["step"]))
+                                                int(state["step"]), resume_from, model_cfg)
             else:
                 rundir.require_fresh(run_dir)
         barrier()

@@ -139,7 +139,8 @@ class Trainer:
         # lock, check and (resume) pick the checkpoint; the lock is released on any failure
         self.lock: rundir.RunLock | None = None
         self.lock, resume_from, state = start_run_dir(self.run_dir, cfg, resume,
-                                                      self.dist.is_main, self._barrier)
+                                                      self.dist.is_main, self._barrier,
+                                                      self.model_cfg)
         try:
             self._saved_step = None  # the step of the newest checkpoint on disk
             if resume_from is not None:
@@ -229,6 +230,9 @@ class Trainer:
     def save(self) -> Path | None:
         if self.dist.enabled:  # every rank must hold the same lambda
             self.control.check_ranks_agree(self.device, self.step)
+        if self.dist.is_main:  # the lines a resume from this checkpoint keeps are on disk first
+            self.metrics.sync()
+            self.evals.sync()
         if self.fsdp is not None:  # sharded (remoe.train.dcp): every rank writes its shards
             path = dcp.save_sharded(self.ckpt_root, self.step, self.model, self.optimizer,
                                     self._state({}), self.cfg.train.keep_last, self.ep)
