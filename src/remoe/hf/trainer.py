@@ -167,7 +167,8 @@ class SparsityLoop:
         counts = aux.active_counts_LN.detach().double()
         self.counts_LN = counts if self.counts_LN is None else self.counts_LN + counts
         self.tokens += float(aux.num_tokens)
-        self.reg += float(aux.reg_loss.detach())
+        reg = aux.reg_loss.detach().double().reshape(1)  # stays on the device: no host sync
+        self.reg = reg if isinstance(self.reg, float) else self.reg + reg
         self.micro += 1
         return extra * scale
 
@@ -177,13 +178,14 @@ class SparsityLoop:
 
         if self.counts_LN is None:
             return
-        sums = torch.cat([self.counts_LN.reshape(-1),
-                          self.counts_LN.new_tensor([self.tokens, self.reg, self.micro])])
+        reg = self.reg if torch.is_tensor(self.reg) else self.counts_LN.new_zeros(1)
+        sums = torch.cat([self.counts_LN.reshape(-1), reg.to(self.counts_LN),
+                          self.counts_LN.new_tensor([self.tokens, self.micro])])
         if _dist():
             dist.all_reduce(sums)
         L, N = self.counts_LN.shape
         counts = sums[:L * N].view(L, N).float()
-        tokens, reg, micro = sums[L * N:].tolist()
+        reg, tokens, micro = sums[L * N:].tolist()
         coeff = self.control.coeffs()[0]
         if L:
             stats = step_statistics(counts.cpu(), tokens)
