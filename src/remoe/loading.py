@@ -7,7 +7,11 @@ use it, and it imports none of them (it sits on :mod:`remoe.rundir` and the mode
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -15,6 +19,7 @@ from remoe import dcpread, rundir
 from remoe.errors import ConfigError
 
 STATE_FILE = rundir.STATE_FILE
+_PIN_TRIES = 10
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
@@ -46,14 +51,100 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
                       "checkpoints/LATEST)")
 
 
+def _in_run(d: Path) -> bool:
+    """A directory a training run may remove or replace while it is read (pruning of old
+    checkpoints, ``final/`` written again)."""
+    return d.parent.name == "checkpoints" or d.name == "final"
+
+
+def _snapshot(src: Path, dst: Path) -> None:
+    """Hard-link (copy across file systems) every file of ``src`` into ``dst``: the links keep
+    the files whatever happens to ``src`` afterwards. FileNotFoundError: ``src`` went away."""
+    if not src.is_dir():
+        raise FileNotFoundError(src)
+    for p in sorted(src.rglob("*")):
+        target = dst / p.relative_to(src)
+        if p.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, target)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            shutil.copy2(p, target)  # another file system, or links not allowed
+
+
+@contextmanager
+def pinned_model_dir(path: str | os.PathLike) -> Iterator[tuple[Path, Path]]:
+    """``(the directory path resolves to, a directory to read it from)``.
+
+    For a checkpoint or ``final/`` of a run (which a training run still writing it may prune or
+    replace at any moment) the second is a private snapshot: hard links to its files (copies
+    across file systems), verified against its ``checksums.json``, removed on exit. When the
+    checkpoint disappears while it is taken, the run's newest one is taken instead (a run
+    directory) or the error says what happened (a checkpoint named directly)."""
+    last: Exception | None = None
+    for _ in range(_PIN_TRIES):
+        d = resolve_model_dir(path)
+        if not _in_run(d):
+            yield d, d
+            return
+        snap = Path(tempfile.mkdtemp(prefix="remoe-pin-"))
+        try:
+            try:
+                _snapshot(d, snap / "model")
+            except FileNotFoundError as e:  # pruned while linking: take the newest again
+                last = e
+                continue
+            pinned = snap / "model"
+            run_tok = d.parent.parent / "final" / "tokenizer.json"
+            if not (pinned / "tokenizer.json").exists() and run_tok.is_file():
+                try:  # (a checkpoint without one reads the run's)
+                    _snapshot_file(run_tok, pinned / "tokenizer.json")
+                except FileNotFoundError:
+                    pass
+            if (pinned / rundir.MANIFEST).is_file():
+                why = rundir.verify_manifest(pinned, required=())
+                if why is not None:
+                    raise ConfigError(f"{d} does not verify ({why}); evaluate another "
+                                      "checkpoint of the run")
+            yield d, pinned
+            return
+        finally:
+            shutil.rmtree(snap, ignore_errors=True)
+    raise ConfigError(f"checkpoint={str(path)!r}: {Path(str(last)).name if last else 'it'} was "
+                      f"removed while it was read {_PIN_TRIES} times (a training run pruning "
+                      "its checkpoints); name a checkpoint it keeps (train.keep_last) or its "
+                      "final/")
+
+
+def _snapshot_file(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        shutil.copy2(src, dst)
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Load a model from a run/checkpoint/HF directory: returns ``(model, tokenizer_path|None)``.
 
     A sharded checkpoint (``train.fsdp=true``: ``dcp/`` instead of ``model.safetensors``) is
     read in this one process through :mod:`remoe.dcpread` (nothing in its files can run)."""
+    with pinned_model_dir(path) as (orig, d):  # a live run may prune it while it loads
+        model = _load(d, device)
+    tok = orig / "tokenizer.json"  # (a caller that needs it to stay holds a pinned_model_dir)
+    if not tok.exists() and (orig.parent.parent / "final" / "tokenizer.json").exists():
+        tok = orig.parent.parent / "final" / "tokenizer.json"
+    return model, (str(tok) if tok.exists() else None)
+
+
+def _load(d: Path, device: str | torch.device):
     from remoe.model import ReMoEForCausalLM
 
-    d = resolve_model_dir(path)
     if dcpread.is_sharded(d):  # a checkpoint of a train.fsdp run: config.json + dcp/ shards
         from remoe.config import ReMoEConfig
 
@@ -65,7 +156,4 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
                           "or dcp/); point at a run, a checkpoint or a saved model directory")
     else:
         model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
-    tok = d / "tokenizer.json"
-    if not tok.exists() and (d.parent.parent / "final" / "tokenizer.json").exists():
-        tok = d.parent.parent / "final" / "tokenizer.json"
-    return model, (str(tok) if tok.exists() else None)
+    return model

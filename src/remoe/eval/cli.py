@@ -20,9 +20,11 @@ import argparse
 import hashlib
 import logging
 import sys
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.eval.offline import force_offline
 from remoe.eval.output import report_results
@@ -208,11 +210,18 @@ def _saves(args: argparse.Namespace, entries: list[dict[str, Any]]) -> list[tupl
 # ----------------------------------------------------------------------------- run
 
 def run(args: argparse.Namespace) -> int:
+    # every checkpoint is pinned (a private snapshot) until the end: a run still training may
+    # prune or replace it meanwhile (remoe.loading.pinned_model_dir)
+    with ExitStack() as pins:
+        return _run(args, pins)
+
+
+def _run(args: argparse.Namespace, pins: ExitStack) -> int:
     force_offline()
     check_task_names(args.tasks)  # a misspelt task stops here, before any model or data
     import torch
 
-    from remoe.loading import load_model, resolve_model_dir
+    from remoe.loading import load_model, pinned_model_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.names and len(args.names) != len(args.checkpoints):
@@ -230,11 +239,11 @@ def run(args: argparse.Namespace) -> int:
     entries = []
     for i, ck in enumerate(args.checkpoints):
         path = Path(ck)
-        model_dir = resolve_model_dir(path)
+        model_dir, load_dir = pins.enter_context(pinned_model_dir(path))
         run_cfg, run_dir = _run_config(model_dir)
         name = args.names[i] if args.names else _default_name(path, model_dir, run_dir)
         entries.append({"name": name, "path": str(path), "model_dir": str(model_dir),
-                        "run_cfg": run_cfg, "run_dir": run_dir})
+                        "load_dir": str(load_dir), "run_cfg": run_cfg, "run_dir": run_dir})
     seen: dict[str, int] = {}
     for e in entries:  # unique row names
         seen[e["name"]] = seen.get(e["name"], 0) + 1
@@ -275,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     models: list[dict[str, Any]] = []
     for e in entries:
         print(f"remoe eval: {e['name']} ({e['model_dir']})", file=sys.stderr)
-        model, tok_path = load_model(e["model_dir"], device=device)
+        model, tok_path = load_model(e["load_dir"], device=device)
         rec: dict[str, Any] = {"name": e["name"], "path": e["path"], "model_dir": e["model_dir"],
                                "parameters": model.num_parameters(),
                                "active_parameters": model.num_parameters(active=True),
@@ -306,7 +315,26 @@ def run(args: argparse.Namespace) -> int:
     if len(seq_lens) > 1:
         print(f"remoe eval: note: the losses use different sequence lengths {sorted(seq_lens)} "
               "(each run's train.seq_len); pass --seq-len to compare them", file=sys.stderr)
-    return report_results(args, models, plan, manifest or None, _saves(args, entries))
+    saves = []
+    for out, names in _saves(args, entries):
+        if not args.out:  # into a run directory: only under its lock, never while it trains
+            try:
+                pins.enter_context(_held(rundir.RunLock.acquire(out.parent)))
+            except ConfigError as e:
+                why = str(e).split(";")[0]  # "run directory R is in use by pid N (...)"
+                print(f"remoe eval: results not written: {why}; pass --out FILE to keep them",
+                      file=sys.stderr)
+                continue
+        saves.append((out, names))
+    return report_results(args, models, plan, manifest or None, saves)
+
+
+@contextmanager
+def _held(lock):
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
