@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Do saved remoe models work with transformers alone, at both ends of the supported range?
 
-    python3 scripts/check_hf_compat.py [--work DIR] [--only newest|oldest]
+    python3 scripts/check_hf_compat.py [--work DIR] [--only newest|oldest] [--install-torch]
 
 Run from the remoe environment (tests/hf/test_hf_compat.py runs it in the default test suite,
 so CI runs it). It
@@ -13,11 +13,13 @@ so CI runs it). It
    time: no KV cache, no ``generate``) in WORK/reference.json;
 2. for the NEWEST transformers on PyPI and the OLDEST one remoe's requirements allow (the
    ``>=`` bound of its ``transformers`` requirement), makes a fresh virtualenv holding only
-   torch (this environment's version, installed once into a shared base virtualenv that both
-   see through a .pth file), that transformers, safetensors and tokenizers -- no remoe -- and
-   runs scripts/hf_compat_venv.py there: logits equal remoe's, cached == uncached == batched
-   left-padded == one-prompt-at-a-time generation == remoe's, AutoTokenizer's ids == remoe's,
-   and a loaded model saved again keeps its card, its checksums and readable files.
+   torch, that transformers, safetensors and tokenizers -- no remoe -- and runs
+   scripts/hf_compat_venv.py there. torch is this environment's (the version remoe pins): a
+   .pth file adds a directory of links to torch and the packages it requires, and nothing else;
+   ``--install-torch`` pip-installs the same version into a base virtualenv instead. Checked
+   there: logits equal remoe's, cached == uncached == batched left-padded ==
+   one-prompt-at-a-time generation == remoe's, AutoTokenizer's ids == remoe's, and a loaded
+   model saved again keeps its card, its checksums and readable files.
 
 pip's wheel cache is used (nothing is passed to bypass it). Exit status: 0 when both versions
 pass, 1 when a check fails (a transformers release that breaks a saved model), 2 when a
@@ -80,6 +82,36 @@ def torch_version() -> str:
     import torch
 
     return torch.__version__.split("+")[0]
+
+
+def link_torch(dest: Path) -> str:
+    """``dest``: symbolic links to the installed files of this environment's torch and of the
+    packages it requires, nothing else (no remoe, no transformers); returns ``dest``."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    dest.mkdir(parents=True)
+    todo, seen = ["torch"], set()
+    while todo:
+        try:
+            dist = distribution(todo.pop())
+        except PackageNotFoundError:
+            continue  # a requirement this platform does not install
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        for f in dist.files or []:
+            top = f.parts[0]
+            if top not in ("..", "__pycache__") and not top.endswith(".pth") and \
+                    not (dest / top).exists():
+                (dest / top).symlink_to(Path(dist.locate_file(top)).resolve())
+    return str(dest)
 
 
 # -- 1. the saved models and their reference, with remoe --------------------------------------
@@ -233,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, help="working directory (default: a temporary one, "
                     "removed at the end)")
     ap.add_argument("--only", choices=("newest", "oldest"), help="check one end only")
+    ap.add_argument("--install-torch", action="store_true", help="pip-install torch into a "
+                    "base virtualenv instead of linking this environment's (slower)")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="remoe-hf-compat."))
     work.mkdir(parents=True, exist_ok=True)
@@ -246,21 +280,25 @@ def main(argv: list[str] | None = None) -> int:
         ref = build(work)
         say(f"saved {len(ref['models'])} models and their reference with remoe "
             f"(transformers {ref['remoe_env']['transformers']}) in {time.time() - t0:.0f} s")
-        # torch once into a base virtualenv, each transformers into its own, all at once
-        # (transformers does not depend on torch); then each sees the base's torch through a
-        # .pth file, written after the installs so that no pip sees a half-installed base
+        # each transformers into its own virtualenv, at once (transformers does not depend on
+        # torch); torch: this environment's, seen through a .pth file naming a directory of
+        # links to torch and its requirements only, or (--install-torch) installed once into a
+        # base virtualenv; the .pth is written after the installs, so no pip sees a torch there
         t0 = time.time()
-        wanted = {"torch": [f"torch=={torch_version()}"],
-                  **{label: [f"transformers{spec}", "safetensors", "tokenizers"]
-                     for label, spec in ends.items()}}
+        wanted = {label: [f"transformers{spec}", "safetensors", "tokenizers"]
+                  for label, spec in ends.items()}
+        if args.install_torch:
+            wanted["torch"] = [f"torch=={torch_version()}"]
         with ThreadPoolExecutor(len(wanted)) as pool:
             made = {label: pool.submit(make_venv, work / f"venv-{label}", pkgs)
                     for label, pkgs in wanted.items()}
             pythons = {label: f.result() for label, f in made.items()}
-        base_site = _site(pythons.pop("torch"))
+        base_site = _site(pythons.pop("torch")) if args.install_torch else \
+            link_torch(work / "torch-only")
         for python in pythons.values():
             Path(_site(python), "_remoe_base_torch.pth").write_text(base_site + "\n")
-        say(f"fresh virtualenvs (torch=={torch_version()}; "
+        say(f"fresh virtualenvs (torch=={torch_version()}"
+            + (" installed" if args.install_torch else " linked from this environment") + "; "
             + ", ".join(f"transformers{spec or ' newest'}" for spec in ends.values())
             + f") in {time.time() - t0:.0f} s")
         with ThreadPoolExecutor(len(pythons)) as pool:

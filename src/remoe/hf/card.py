@@ -251,7 +251,8 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
     lines += ["## Usage", "", "```python"]
     if _has_tokenizer(directory):
         lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  "tok = AutoTokenizer.from_pretrained(path)  # left padding, pad = eos",
+                  "tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # left "
+                  "padding, pad = eos",
                   "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
                   "batch = tok(['Once upon a time', 'The'], return_tensors='pt', padding=True)",
                   "out = model.generate(**batch, max_new_tokens=20, do_sample=False)",
