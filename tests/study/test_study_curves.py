@@ -141,3 +141,25 @@ def test_results_only_without_runs_or_copies_says_so(write_spec, tmp_path):
 def test_results_key_must_be_a_path(write_spec):
     with pytest.raises(ConfigError, match="study.results="):
         load_spec(write_spec({"results": 3, "groups": [{"name": "g"}]}))
+
+
+def test_overtime_windows_read_lambda_share_layers_and_dead_experts(tmp_path):
+    from remoe.study.overtime import windows
+
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "config.yaml").write_text("model: {preset: micro, router: relu, num_experts: 8, "
+                                   "top_k: 1}\n")
+    recs = []
+    for s in range(1, 13):
+        lam = 1e-3 * 10 ** (s // 6)  # 1e-3 in the first half, 1e-2 from step 6, 1e-1 at 12
+        recs.append({"step": s, "lr": 1e-3, "lambda": lam, "loss": 5.5, "lm_loss": 5.0,
+                     "reg_loss": 0.5 / lam, "layer_sparsity": [0.8, 0.95],
+                     "dead_experts": [0, 2 if s > 6 else 0]})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ws = windows(d, n=2)
+    assert [w["steps"] for w in ws] == ["1-6", "7-12"]
+    assert ws[0]["reg_share"] == pytest.approx(0.5 / 5.5)
+    assert ws[0]["lambda"] == pytest.approx((1e-3 ** 5 * 1e-2) ** (1 / 6))
+    assert ws[1]["sparsity"] == [0.8, 0.95] and ws[1]["dev_max"] == pytest.approx(0.075)
+    assert ws[0]["dead"] == [0.0, 0.0] and ws[1]["dead"] == [0.0, 2.0]

@@ -348,6 +348,11 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
     text = markdown(spec, rows, out)
     if label_curves:
         text += "\n" + "\n".join(curves.markdown_section(label_curves)) + "\n"
+        from remoe.study import overtime
+
+        over = overtime.markdown_section(rows, lambda row: Path(row["source"]))
+        if over:
+            text += "\n" + "\n".join(over) + "\n"
     csv_path = md = None
     for d in dict.fromkeys([Path(out)] + ([spec.results_dir] if spec.results_dir else [])):
         d.mkdir(parents=True, exist_ok=True)
