@@ -161,5 +161,5 @@ def test_overtime_windows_read_lambda_share_layers_and_dead_experts(tmp_path):
     assert [w["steps"] for w in ws] == ["1-6", "7-12"]
     assert ws[0]["reg_share"] == pytest.approx(0.5 / 5.5)
     assert ws[0]["lambda"] == pytest.approx((1e-3 ** 5 * 1e-2) ** (1 / 6))
-    assert ws[1]["sparsity"] == [0.8, 0.95] and ws[1]["dev_max"] == pytest.approx(0.075)
+    assert ws[1]["sparsity"] == pytest.approx([0.8, 0.95]) and ws[1]["dev_max"] == pytest.approx(0.075)
     assert ws[0]["dead"] == [0.0, 0.0] and ws[1]["dead"] == [0.0, 2.0]
