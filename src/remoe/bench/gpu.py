@@ -118,7 +118,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
               matmul_peak: float | None = None) -> dict:
     """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc)."""
     from remoe.bench.model import force_model_density
-    from remoe.bench.syncs import SyntheticData, step_config
+    from remoe.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.model.moe import MoELayer
     from remoe.syncs import SyncCounter
     from remoe.train.trainer import Trainer
@@ -126,7 +126,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:
         cfg = step_config(router, preset, seq_len, micro_batch, 1, tmp,
                           [f"train.device={device.type}", f"train.precision={precision}",
-                           f"train.max_steps={warmup + steps + 10}", "train.num_threads=1"])
+                           f"train.max_steps={warmup + steps + 10}"])
         t = Trainer(cfg, progress=False, data=SyntheticData(vocab))
         try:
             layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
@@ -155,7 +155,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
                         if device.type == "cuda" else None)
             expert_dtypes = _expert_dtypes(t, layers)
         finally:
-            t.close()
+            close_trainer(t)
     tokens = sum(r["step_tokens"] for r in recs)
     by = sc.by_phase()
     row = {"router": router, "preset": preset, "device": _device_name(device),

@@ -67,7 +67,8 @@ def step_config(router: str, preset: str = "micro", seq_len: int = 32, micro_bat
             "train.seq_len": seq_len, "train.micro_batch_size": micro_batch,
             "train.grad_accum": grad_accum, "train.max_steps": 10, "train.warmup_steps": 1,
             "train.eval_every": 0, "train.save_every": 0, "train.log_every": 0,
-            "analysis.record_masks_every": 0, "run.out_dir": str(out_dir), "run.name": router}
+            "analysis.record_masks_every": 0, "train.num_threads": torch.get_num_threads(),
+            "run.out_dir": str(out_dir), "run.name": router}
     return load_config(None, [f"{k}={v}" for k, v in sets.items()] + list(extra or []))
 
 
@@ -87,7 +88,7 @@ def count_step_syncs(router: str, preset: str = "micro", seq_len: int = 32, micr
                                if isinstance(st.get("step"), torch.Tensor)])
                 t.train_step()
         finally:
-            t.close()
+            close_trainer(t)
     layers = sum(isinstance(b.ffn, MoELayer) for b in t.model.layers)
     by = sc.by_phase()
     res = {"router": router, "preset": preset, "backend": "grouped_mm",
@@ -99,8 +100,16 @@ def count_step_syncs(router: str, preset: str = "micro", seq_len: int = 32, micr
     return res
 
 
+def close_trainer(t) -> None:
+    """Release a Trainer that never finished: its metrics files and its run-directory lock."""
+    for f in (getattr(t, "metrics", None), getattr(t, "evals", None)):
+        if f is not None:
+            f.close()
+    t.close()
+
+
 def count_all(routers=ROUTERS, **kw) -> list[dict]:
     return [count_step_syncs(r, **kw) for r in routers]
 
 
-__all__ = ["SyntheticData", "count_step_syncs", "count_all", "step_config"]
+__all__ = ["SyntheticData", "count_step_syncs", "count_all", "step_config", "close_trainer"]
