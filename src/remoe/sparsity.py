@@ -48,7 +48,7 @@ class LambdaController:
     steps: int = 0  # number of updates applied
     rule: str = "sign"  # "sign" (eq. 6) | "pi"
     kp: float = 1.0  # pi: weight of the change in relative density error
-    ki: float = 0.25  # pi: weight of the relative density error
+    ki: float = 1.0  # pi: weight of the relative density error
     prev_error: float | None = None  # pi: e_{i-1}
 
     def __post_init__(self) -> None:
@@ -261,7 +261,7 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
         return LambdaController(cfg.target_sparsity, cfg.lambda0, cfg.alpha,
                                 rule=getattr(cfg, "lambda_update", "sign"),
                                 kp=getattr(cfg, "lambda_pi_kp", 1.0),
-                                ki=getattr(cfg, "lambda_pi_ki", 0.25))
+                                ki=getattr(cfg, "lambda_pi_ki", 1.0))
 
     if getattr(cfg, "sparsity_control", "global") == "per_layer":
         lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)])

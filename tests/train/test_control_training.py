@@ -39,7 +39,7 @@ def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_pa
         for l, s in enumerate(r["layer_sparsity"]):  # the PI rule, layer by layer
             e = ((1 - s) - target_density) / target_density
             p = e if prev[l] is None else prev[l]
-            lam[l] *= 2.0 ** max(-1.0, min(1.0, 1.0 * (e - p) + 0.25 * e))
+            lam[l] *= 2.0 ** max(-1.0, min(1.0, 1.0 * (e - p) + 1.0 * e))  # default ki = 1
             prev[l] = e
         assert r["reviving"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
 
