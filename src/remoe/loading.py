@@ -99,8 +99,8 @@ def pinned_model_dir(path: str | os.PathLike) -> Iterator[tuple[Path, Path]]:
                 last = e
                 continue
             pinned = snap / "model"
-            run_tok = d.parent.parent / "final" / "tokenizer.json"
-            if not (pinned / "tokenizer.json").exists() and run_tok.is_file():
+            run_tok = _run_tokenizer(d)
+            if not (pinned / "tokenizer.json").exists() and run_tok is not None:
                 try:  # (a checkpoint without one reads the run's)
                     _snapshot_file(run_tok, pinned / "tokenizer.json")
                 except FileNotFoundError:
@@ -137,9 +137,21 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     with pinned_model_dir(path) as (orig, d):  # a live run may prune it while it loads
         model = _load(d, device)
     tok = orig / "tokenizer.json"  # (a caller that needs it to stay holds a pinned_model_dir)
-    if not tok.exists() and (orig.parent.parent / "final" / "tokenizer.json").exists():
-        tok = orig.parent.parent / "final" / "tokenizer.json"
-    return model, (str(tok) if tok.exists() else None)
+    if not tok.exists():
+        tok = _run_tokenizer(orig)
+    return model, (str(tok) if tok is not None and tok.exists() else None)
+
+
+def _run_tokenizer(ckpt: Path) -> Path | None:
+    """The tokenizer of the run a checkpoint without one (a sharded one) belongs to: the run's
+    own copy (``<run>/tokenizer.json``), else its ``final/``'s."""
+    if ckpt.parent.name != "checkpoints":
+        return None
+    run = ckpt.parent.parent
+    for p in (run / "tokenizer.json", run / "final" / "tokenizer.json"):
+        if p.is_file():
+            return p
+    return None
 
 
 def _load(d: Path, device: str | torch.device):

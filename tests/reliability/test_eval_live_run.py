@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import remoe.train.trainer  # noqa: F401 - imported once here, not in the forked child
 from remoe.cli import main
 
 
@@ -22,7 +23,7 @@ def live_run(tmp_path, train_argv, rd):
                                            "train.save_every": 1, "train.keep_last": 1})
     pid = rd.fork_main(argv, tmp_path / "live.log")
     try:
-        rd.wait_for(lambda: (run / "checkpoints" / "LATEST").exists(), timeout=180)
+        rd.wait_for(lambda: (run / "checkpoints" / "LATEST").exists(), timeout=600)
         yield run
     finally:
         os.kill(pid, signal.SIGKILL)

@@ -34,9 +34,14 @@ MIN_FREQUENCY = 2
 class Reporter:
     """The stages' progress lines: on stderr with progress on, else to the ``remoe.data`` log."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, guard=None):
         self.enabled = enabled
         self.t0 = time.perf_counter()
+        self.guard = guard  # called with what is about to change before any cache file is written
+
+    def before_write(self, what: str) -> None:
+        if self.guard is not None:
+            self.guard(what)
 
     def say(self, msg: str) -> None:
         line = f"[remoe.data {time.perf_counter() - self.t0:6.1f}s] {msg}"
@@ -81,10 +86,13 @@ def corpus_stage(cfg: DataConfig, cache: Path, old: dict[str, Any] | None,
         if problem is None:
             rep.say("corpus unchanged: reusing corpus/*.jsonl")
             return old, splits, corpus
+        rep.before_write("its corpus")
         log.warning("data cache %s: %s; rewriting the corpus files", cache, problem)
     elif old:
+        rep.before_write("its corpus")
         log.warning("data cache %s: data sources changed (%s); rebuilding",
                     cache, _describe_corpus_change(old, fps))
+    rep.before_write("its corpus")
     files = {}
     for s in SPLITS:
         rel = f"corpus/{s}.jsonl"
@@ -157,6 +165,7 @@ def tokenizer_stage(cfg: DataConfig, cache: Path, corpus_key: str, train: list[D
         text = tok.to_str(pretty=True)
         sha = sha256_bytes(text.encode("utf-8"))
         if not (path.is_file() and sha256_file(path) == sha):
+            rep.before_write("its tokenizer")
             _tok.save_tokenizer(tok, path)
         rep.say(f"using tokenizer {src}")
         key = stage_key({"file": sha})
@@ -171,12 +180,15 @@ def tokenizer_stage(cfg: DataConfig, cache: Path, corpus_key: str, train: list[D
                 tok = Tokenizer.from_file(str(path))
                 rep.say("tokenizer unchanged: reusing tokenizer.json")
             else:
+                rep.before_write("its tokenizer")
                 log.warning("data cache %s: tokenizer.json is missing or does not match its "
                             "sha256; retraining", cache)
         elif old:
+            rep.before_write(f"its tokenizer (vocab {cfg.vocab_size})")
             log.warning("data cache %s: tokenizer settings or training corpus changed; "
                         "retraining the tokenizer", cache)
         if tok is None:
+            rep.before_write(f"its tokenizer (vocab {cfg.vocab_size})")
             docs = _tokenizer_training_docs(train, cfg.tokenizer_train_bytes)
             nbytes = sum(d.num_bytes for d in docs)
             rep.say(f"training byte-level BPE (vocab {cfg.vocab_size}) on {len(docs)} train "
@@ -214,18 +226,21 @@ def tokens_stage(cache: Path, corpus_key: str, tok_entry: dict[str, Any], tok: T
             if problem is None:
                 entries[s] = old["splits"][s]
             else:
+                rep.before_write("its token arrays")
                 log.warning("data cache %s: %s split: %s; re-tokenising it", cache, s, problem)
                 todo.append(s)
         if not todo:
             rep.say("token arrays verified (sha256): reusing them")
     else:
         if old:
+            rep.before_write("its token arrays")
             reason = ("the tokenizer changed" if old.get("tokenizer") != tok_entry["sha256"]
                       else "the corpus changed" if old.get("corpus") != corpus_key
                       else "the store format changed")
             log.warning("data cache %s: token arrays are stale (%s); re-tokenising", cache, reason)
         todo = list(SPLITS)
     if todo:
+        rep.before_write("its token arrays")
         encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
         def encode_batch(texts: list[str]) -> list[list[int]]:

@@ -19,6 +19,8 @@ A stage whose key matches and whose files match their recorded sizes and sha256 
 is (no re-tokenisation); otherwise a warning says why and it is rebuilt. All files are written
 to a temporary name and moved into place, and the manifest last, so an interrupted build is
 never mistaken for a finished one. A file lock serialises concurrent builds (e.g. several ranks).
+A cache another process is reading (a run training on it holds ``.readers/<pid>`` as long as its
+data is in use) is never changed: a build that would rewrite a file refuses in one line.
 
 Parts: :mod:`remoe.data.cachelock` (the lock), :mod:`remoe.data.manifest` (keys, structure
 check, file verification), :mod:`remoe.data.build` (the three stages),
@@ -31,6 +33,7 @@ import errno
 import hashlib
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,8 @@ from remoe.data._io import atomic_write_json
 from remoe.data.build import (MIN_FREQUENCY, TOKENIZER_ALGO, Reporter, corpus_stage,
                               tokenizer_stage, tokens_stage)
 from remoe.data.bundle import DataBundle, load_documents
-from remoe.data.cachelock import LOCK_FILE, NOT_WRITABLE, locked
+from remoe.data.cachelock import (LOCK_FILE, NOT_WRITABLE, live_readers, locked,
+                                  register_reader, release_reader)
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
 from remoe.data.documents import SPLITS
 from remoe.data.errors import DataError, DataNotFoundError
@@ -76,10 +80,24 @@ def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True) -> Dat
     """
     cfg = (cfg or DataConfig()).validate()
     cache = Path(cfg.cache_dir)
-    rep = Reporter(progress)
-    with locked(cache):
+
+    def refuse_if_read(what: str) -> None:  # before any file of the cache changes
+        pids = live_readers(cache)
+        if pids:
+            raise DataError(f"data cache {cache} is in use by pid {', '.join(pids)} (a run "
+                            f"training on it): rebuilding {what} would change it under that "
+                            "run; set data.cache_dir to another directory for these data "
+                            "settings, or wait for the run to finish")
+
+    rep = Reporter(progress, guard=refuse_if_read)
+    with locked(cache) as writable:
         try:
-            return _prepare_locked(cfg, cache, rep, progress)
+            bundle = _prepare_locked(cfg, cache, rep, progress)
+            # this process reads the cache as long as the bundle lives: nobody rebuilds it
+            fd = register_reader(cache) if writable else None
+            if fd is not None:
+                weakref.finalize(bundle, release_reader, fd)
+            return bundle
         except OSError as e:
             if isinstance(e, DataError) or e.errno not in NOT_WRITABLE + (errno.ENOSPC,):
                 raise

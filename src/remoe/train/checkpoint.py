@@ -235,6 +235,40 @@ def check_resume_config(run_dir: Path, new: dict[str, Any], new_yaml: str, step:
         rundir.say(f"--resume: the run's previous config.yaml is kept as {keep.name}")
 
 
+# ----------------------------------------------------------------------------- tokenizer
+
+RUN_TOKENIZER = "tokenizer.json"  # <run>/tokenizer.json: the tokenizer the run trains with
+
+
+def keep_run_tokenizer(run_dir: Path, data: Any, resume: bool) -> Path | None:
+    """The run's own copy of the tokenizer it trains with (``<run>/tokenizer.json``), which
+    every checkpoint and ``final/`` get: never the data cache's file, which could be rebuilt
+    under the run. A fresh run copies the cache's file (checked against the sha256 the data
+    was loaded with); a resume refuses (one line) data whose tokenizer differs from the run's."""
+    import hashlib
+
+    src = getattr(data, "tokenizer_path", None)
+    manifest = getattr(data, "manifest", None) or {}
+    want = (manifest.get("tokenizer") or {}).get("sha256")
+    if src is None or want is None:
+        return Path(src) if src is not None else None
+    cache_bytes = Path(src).read_bytes()
+    if hashlib.sha256(cache_bytes).hexdigest() != want:
+        raise ConfigError(f"the data cache's {src} changed after it was loaded (another "
+                          "process rebuilt the cache); start the run again")
+    path = run_dir / RUN_TOKENIZER
+    if resume and path.is_file():
+        if hashlib.sha256(path.read_bytes()).hexdigest() != want:
+            raise ConfigError(
+                f"--resume: the data cache's tokenizer (vocab {getattr(data, 'vocab_size', '?')},"
+                f" {src}) is not the one this run trained with ({path}): the cache was rebuilt "
+                "with other data settings; resume with the run's data settings and a cache "
+                "built with them (data.cache_dir)")
+        return path
+    atomic_write_text(path, cache_bytes.decode("utf-8"))
+    return path
+
+
 # ----------------------------------------------------------------------------- helpers
 
 def unwrap(model):

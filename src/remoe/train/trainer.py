@@ -142,6 +142,10 @@ class Trainer:
                                                       self.dist.is_main, self._barrier,
                                                       self.model_cfg)
         try:
+            self.tokenizer_path = getattr(self.data, "tokenizer_path", None)
+            if self.dist.is_main:  # the run's own tokenizer: a rebuilt cache cannot change it
+                self.tokenizer_path = ckpt_io.keep_run_tokenizer(self.run_dir, self.data,
+                                                                 resume_from is not None)
             self._saved_step = None  # the step of the newest checkpoint on disk
             if resume_from is not None:
                 self._load(resume_from, state)
@@ -245,8 +249,7 @@ class Trainer:
                 optim = self.ep.gather_optimizer_state(self.optimizer)
             if self.dist.is_main:
                 path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model,
-                                               self._state(optim),
-                                               getattr(self.data, "tokenizer_path", None),
+                                               self._state(optim), self.tokenizer_path,
                                                self.cfg.train.keep_last)
         self._saved_step = self.step
         self._barrier()
@@ -419,8 +422,7 @@ class Trainer:
         # FSDP: the full weights gathered (collective) into a plain copy on rank 0
         to_write = self.fsdp.consolidated_model() if self.fsdp is not None else self.model
         if self.dist.is_main:
-            ckpt_io.write_model_dir(final_dir, to_write,
-                                    getattr(self.data, "tokenizer_path", None))
+            ckpt_io.write_model_dir(final_dir, to_write, self.tokenizer_path)
             ckpt_io.atomic_write_text(self.run_dir / "summary.json",
                                       rundir.dumps_json(summary, indent=2))
             self.metrics.close()
