@@ -58,8 +58,15 @@ class DataConfig:
                 parsed = parse_source(spec)
             except ValueError as e:
                 raise ConfigError(f"data.sources[{i}]={spec!r}: {e}") from None
-            if parsed.kind == "path" and not Path(str(parsed.path)).exists():
-                raise ConfigError(f"data.sources[{i}]={spec!r} does not exist")
+            if parsed.kind == "path":
+                p = Path(str(parsed.path))
+                if not p.exists():
+                    why = ("is a symbolic link that leads nowhere (dangling or a loop)"
+                           if p.is_symlink() else "does not exist")
+                    raise ConfigError(f"data.sources[{i}]={spec!r} {why}")
+                if not (p.is_file() or p.is_dir()):  # reading a FIFO hangs, a device never ends
+                    raise ConfigError(f"data.sources[{i}]={spec!r} is neither a regular file "
+                                      "nor a directory (a FIFO, socket or device)")
         if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir) or (
                 "\x00" in str(self.cache_dir)):
             raise ConfigError(f"data.cache_dir={self.cache_dir!r} must be a non-empty path")

@@ -113,6 +113,7 @@ class _Budget:
         self.seen_key: dict[tuple[str, str], int] = {}
         self.duplicates = 0
         self.over_budget = 0
+        self.too_big: list[int] = []  # sizes of documents larger than the whole budget
 
     def full(self, domain: str) -> bool:
         # stop scanning once less than 0.5% of the budget is left
@@ -125,6 +126,8 @@ class _Budget:
         used = self.used.get(doc.domain, 0)
         if used + n > self.max_bytes:
             self.over_budget += 1
+            if n > self.max_bytes:
+                self.too_big.append(n)
             return False
         digest = hashlib.blake2b(doc.text.encode("utf-8"), digest_size=16).digest()
         if digest in self.seen_text:
@@ -183,7 +186,14 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
             used.append(spec.describe())
             for doc in read_user_source(spec.path, spec.domain):
                 budget.offer(doc)
+    big = ""
+    if budget.too_big:
+        big = (f"{len(budget.too_big)} document(s) skipped: each is larger than "
+               f"data.max_bytes_per_domain={max_bytes_per_domain:,} (largest "
+               f"{max(budget.too_big):,} bytes); raise data.max_bytes_per_domain or split them")
     if not budget.docs:
+        if big:
+            raise DataNotFoundError(f"no documents found in data sources {list(sources)}: {big}")
         hint = ""
         if missing:
             cmds = sorted({s.install for s in builtin_sources() if s.name in missing})
@@ -192,6 +202,8 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
                                 f"non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz document).{hint}")
     if budget.duplicates:
         log.info("dropped %d exact duplicate documents", budget.duplicates)
+    if big:
+        log.warning("%s", big)
     docs = {dom: sorted(ds, key=lambda d: d.key) for dom, ds in sorted(budget.docs.items())}
     return Corpus(docs, used, missing, licences)
 

@@ -224,25 +224,43 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None) ->
     ``corpus/a/b.txt`` when ``corpus`` is given): stable wherever the directory is moved.
     """
     root = Path(path)
-    if not root.exists():
-        raise DataNotFoundError(f"data source {str(root)!r} does not exist")
-    base = root.resolve().parent
+    try:
+        root_resolved = root.resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, a dangling link, a symlink loop
+        if root.is_symlink():
+            raise DataNotFoundError(f"data source {str(root)!r} is a symbolic link that leads "
+                                    "nowhere (dangling or a loop)") from None
+        raise DataNotFoundError(f"data source {str(root)!r} does not exist") from None
+    base = root_resolved.parent
     if root.is_file():
         files = [root]
+    elif not root.is_dir():
+        raise DataError(f"data source {str(root)!r} is neither a regular file nor a directory "
+                        "(a FIFO, socket or device); give a file or a directory of them")
     else:
-        files = []
+        files, odd = [], []
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for fn in sorted(filenames):
                 p = Path(dirpath) / fn
                 if not fn.startswith(".") and is_data_file(p):
-                    files.append(p)
+                    # a link is followed (a data directory of links into a shared store);
+                    # a loop, a dangling link, a FIFO or a device is skipped (and counted)
+                    (files if p.is_file() else odd).append(p)
+        if odd:
+            log.warning("data source %s: skipped %d entr%s that %s not a readable regular file "
+                        "(a dangling link, a symlink loop, a FIFO or a device), e.g. %s", root,
+                        len(odd), "y" if len(odd) == 1 else "ies",
+                        "is" if len(odd) == 1 else "are", odd[0])
         if not files:
             log.warning("data source %s contains no .txt/.jsonl/.jsonl.zst files", root)
     stats: dict[str, int] = {}
     n_txt = 0
     for p in files:
-        rel = p.resolve().relative_to(base).as_posix()
+        # the key is where the file sits in the tree, not where a link leads (so a link into
+        # a shared store outside the source works)
+        rel = (root_resolved.relative_to(base) if p is root else
+               Path(root_resolved.name) / p.relative_to(root)).as_posix()
         if p.name.lower().endswith(JSONL_SUFFIXES):
             yield from read_jsonl(p, domain=domain, key_prefix=rel)
         elif p.name.lower().endswith(TEXT_SUFFIXES):

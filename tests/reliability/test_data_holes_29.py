@@ -1,0 +1,110 @@
+"""Issue 29 item 5 (data): links, loops, FIFOs, devices and oversized documents in a source.
+
+A ``.txt`` link pointing outside the source tree is followed (a data directory of links into a
+shared store is common); a symlink loop, a dangling link and a FIFO inside a directory are
+skipped with one counted warning; a source that is itself a FIFO or a device, or a link that
+leads nowhere, is a one-line error; a document larger than the whole per-domain budget is said
+to be skipped for its size (no more "no documents found" without a word why)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from remoe.data import DataConfig, prepare_data
+from remoe.data.userdata import read_user_source
+from remoe.errors import ConfigError
+
+WORDS = "apple banana cherry delta echo foxtrot golf hotel india juliet kilo lima".split()
+
+
+def _text(i: int, n_words: int = 150) -> str:
+    return f"document {i}\n" + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)]
+                                         for j in range(n_words)) + "\n"
+
+
+def _corpus(root: Path, docs: int = 6) -> Path:
+    for dom in ("alpha", "beta"):
+        (root / dom).mkdir(parents=True, exist_ok=True)
+        for i in range(docs):
+            (root / dom / f"doc_{i:02d}.txt").write_text(_text(i + 100 * len(dom)))
+    return root
+
+
+def _cfg(tmp_path: Path, *sources, **kw) -> DataConfig:
+    base = dict(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"),
+                vocab_size=300, val_fraction=0.2, test_fraction=0.1)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def _one_line_error(cfg: DataConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        prepare_data(cfg, progress=False)
+    msg = str(info.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_link_to_a_file_outside_the_source_is_followed(tmp_path):
+    src = _corpus(tmp_path / "src")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "shared.txt").write_text(_text(999))
+    (src / "alpha" / "linked.txt").symlink_to(store / "shared.txt")
+    docs = {d.key: d for d in read_user_source(src)}
+    assert "src/alpha/linked.txt" in docs  # keyed by where it sits, not where it leads
+    assert docs["src/alpha/linked.txt"].domain == "alpha"
+    assert docs["src/alpha/linked.txt"].text.startswith("document 999")
+
+
+def test_loop_dangling_link_and_fifo_are_skipped_and_counted(tmp_path, caplog):
+    src = _corpus(tmp_path / "src")
+    (src / "alpha" / "loop.txt").symlink_to(src / "alpha" / "loop.txt")
+    (src / "alpha" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    os.mkfifo(src / "beta" / "pipe.txt")
+    caplog.set_level(logging.WARNING, logger="remoe.data")
+    result = []
+    t = threading.Thread(target=lambda: result.append(list(read_user_source(src))), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "reading a FIFO hung"
+    assert len(result[0]) == 12
+    warned = [r.getMessage() for r in caplog.records if "skipped 3 entries" in r.getMessage()]
+    assert len(warned) == 1 and "symlink loop" in warned[0], caplog.text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "chardev", "loop", "dangling"])
+def test_a_source_that_is_not_a_file_or_directory_is_one_line(tmp_path, kind):
+    p = tmp_path / "src.txt"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "chardev":
+        p = Path("/dev/zero")
+    elif kind == "loop":
+        p.symlink_to(p)
+    else:
+        p.symlink_to(tmp_path / "nowhere.txt")
+    msg = _one_line_error(_cfg(tmp_path, p))
+    assert str(p) in msg
+    assert ("neither a regular file nor a directory" in msg if kind in ("fifo", "chardev")
+            else "leads nowhere" in msg), msg
+
+
+def test_a_document_larger_than_the_budget_is_said_skipped_for_size(tmp_path, caplog):
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"text": _text(1, 30_000)}) + "\n")
+    msg = _one_line_error(_cfg(tmp_path, big, max_bytes_per_domain=50_000))
+    assert "larger than data.max_bytes_per_domain=50,000" in msg and "1 document(s)" in msg
+    # beside documents that fit: a counted warning
+    src = _corpus(tmp_path / "src")
+    (src / "alpha" / "big.txt").write_text(_text(7, 30_000))
+    caplog.set_level(logging.WARNING, logger="remoe.data")
+    prepare_data(_cfg(tmp_path, src, max_bytes_per_domain=50_000,
+                      cache_dir=str(tmp_path / "c2")), progress=False)
+    assert "1 document(s) skipped: each is larger than data.max_bytes_per_domain" in caplog.text
