@@ -4,8 +4,9 @@ For every finished run with routing statistics, the training is cut into ``windo
 spans of steps; per span, from ``metrics.jsonl``:
 
 * ``lr`` (mean), ``lambda`` (geometric mean over the span; per-layer control: over layers too)
-  and ``reg_share``: λ·L_reg as a share of the whole objective (L_lm + λ·L_reg), the pull the
-  sparsity penalty exerts against the language-modelling loss;
+  and ``reg_share``: the penalty (λ·L_reg, plus the auxiliary load-balancing loss of routers
+  that have one, e.g. TopK's) as a share of the whole objective, the pull it exerts against
+  the language-modelling loss;
 * ``sparsity`` per layer (mean) and its largest distance from the target;
 * ``dead`` per layer: the mean of ``dead_experts`` (experts of the layer with no token in a
   step);
@@ -87,13 +88,14 @@ def markdown_section(rows: list[dict[str, Any]], source) -> list[str]:
         if not lines:
             lines = ["## Over time", "",
                      "Per run, the training in six spans of steps: learning rate, lambda "
-                     "(geometric mean), lambda*L_reg as a share of the objective, per-layer "
+                     "(geometric mean), the penalty (λ·L_reg + auxiliary loss) as a share of "
+                     "the objective, per-layer "
                      "sparsity (mean; target " f"{row['target_sparsity']:.3f}" "), dead experts "
                      "per layer (no token in a step; mean), inactive experts of all layers "
                      "(< 1/64 of the calibration tokens, on the span's last masks). "
                      "Definitions: remoe.study.overtime.", ""]
         lines += [f"`{row['name']}`:", "",
-                  "| steps | lr | lambda | λ·L_reg share | layer sparsity | dead / layer | "
+                  "| steps | lr | lambda | penalty share | layer sparsity | dead / layer | "
                   "inactive |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for w in ws:
             lines.append("| " + " | ".join([

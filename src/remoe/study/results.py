@@ -165,7 +165,20 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         if dead.size and np.isfinite(dead).any():
             row["dead_per_layer_late"] = float(np.nanmean(dead))
     row.update(zero_shot_row(run_dir))
+    row["val_loss_full"] = full_split_loss(run_dir)
     return row
+
+
+def full_split_loss(run_dir: Path) -> float | None:
+    """The loss over the whole validation split (``remoe eval``, a spec's ``eval.loss``) from
+    RUN/eval_results.json, else None."""
+    import json
+
+    try:
+        v = json.loads((run_dir / "eval_results.json").read_text())["models"][0]["loss"]["loss"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return float(v) if _finite(v) else None
 
 
 def zero_shot_row(run_dir: Path) -> dict[str, float]:
@@ -292,12 +305,15 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
         relu = any(r.get("target_sparsity") is not None and _adaptive(r.get("router"))
                    for e in ges for r in e["rows"])
         lines += [f"## {group}", ""]
-        head = ["run", "n"] + [h for _, h, _ in NUMERIC] + [d[4:] for d in domains]
+        numeric = NUMERIC
+        if any(r.get("val_loss_full") is not None for e in ges for r in e["rows"]):
+            numeric = NUMERIC[:1] + [("val_loss_full", "val loss, whole split", ".4f")] + NUMERIC[1:]
+        head = ["run", "n"] + [h for _, h, _ in numeric] + [d[4:] for d in domains]
         body = []
         for e in ges:
             rs = e["rows"]
             body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
-                        + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in NUMERIC]
+                        + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in numeric]
                         + [fmt_mean_std([r.get(d) for r in rs], ".3f") for d in domains])
         lines += _md_table(head, body) + [""]
         if zero_shot:
