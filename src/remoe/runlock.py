@@ -157,9 +157,23 @@ def require_fresh(run_dir: Path) -> None:
     held = contents(run_dir)
     if held:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        if not has_checkpoint(run_dir):
+            raise ConfigError(f"run directory {run_dir} already holds a run ({shown}) that "
+                              "stopped before its first checkpoint, so there is nothing to "
+                              "resume; start over with --overwrite (moves the old contents to "
+                              f"{run_dir.name}.old-<time>)")
         raise ConfigError(f"run directory {run_dir} already holds a run ({shown}); continue it "
                           "with --resume, or start over with --overwrite (moves the old contents "
                           f"to {run_dir.name}.old-<time>)")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir/checkpoints`` holds any ``step_*`` directory (verified or not)."""
+    root = run_dir / "checkpoints"
+    try:
+        return any(re.match(r"^step_\d+$", p.name) and p.is_dir() for p in root.iterdir())
+    except OSError:
+        return False
 
 
 def archive_contents(run_dir: Path) -> Path | None:

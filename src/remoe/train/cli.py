@@ -98,11 +98,37 @@ def _prepare_run_dir(cfg, args: argparse.Namespace) -> None:
             print(f"remoe train: --overwrite: moved the old contents of {run_dir} to {moved}",
                   file=sys.stderr)
     elif args.resume:
+        from remoe.runlock import has_checkpoint
         from remoe.train.checkpoint import check_resume_model
 
+        if not has_checkpoint(run_dir):  # say it now, not after the data is prepared
+            started = bool(rundir.contents(run_dir))
+            raise ConfigError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (the run "
+                              + ("stopped before its first checkpoint); start it over with "
+                                 "--overwrite" if started else
+                                 "has not been started); start it without --resume"))
         check_resume_model(run_dir, cfg.to_dict())
     else:
         rundir.require_fresh(run_dir)
+    _check_writable(run_dir)
+
+
+def _check_writable(run_dir) -> None:
+    """The run directory can be created and written (a probe directory made and removed in
+    the nearest existing ancestor): /proc, a read-only mount, no permission -> one line now."""
+    import tempfile
+    from pathlib import Path
+
+    from remoe.errors import ConfigError
+
+    anc = Path(run_dir)
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".remoe-write-probe-", dir=anc))
+    except OSError as e:
+        raise ConfigError(f"run.out_dir: {run_dir} cannot be written ({e.strerror or e} in "
+                          f"{anc}); choose another run.out_dir") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from remoe.train.memcheck import check_fits
+
+    check_fits(cfg)  # a model or batch that cannot fit: one line now, not an allocator error later
     _prepare_run_dir(cfg, args)  # before any data or model work
     from remoe.allocator import configure as configure_allocator
     from remoe.train.trainer import Trainer, TrainingDiverged, format_summary

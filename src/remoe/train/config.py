@@ -43,6 +43,9 @@ class RunConfig:
                and not any(c in name for c in "/\\") and name.isprintable(),
                f"run.name={name!r} must be a directory name: not empty, '.' or '..', without "
                "'/', '\\' or control characters")
+        # the run's archive (<name>.old-<time>-<n>) and temporaries must stay within NAME_MAX
+        _check(len(name.encode("utf-8", "replace")) <= 200, f"run.name={name[:40]!r}... is "
+               f"{len(name.encode('utf-8', 'replace'))} bytes long; at most 200")
         _check(isinstance(out_dir, str) and out_dir != "" and "\x00" not in out_dir,
                f"run.out_dir={out_dir!r} must be a non-empty path")
         _check(isinstance(self.seed, int) and not isinstance(self.seed, bool)
@@ -307,8 +310,33 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+#: values a config may hold once YAML aliases are expanded (a real one has a few hundred)
+MAX_CONFIG_VALUES = 100_000
+
+
+def _check_size(obj: Any) -> None:
+    """Refuse a YAML value that expands to more than MAX_CONFIG_VALUES values: a few hundred
+    bytes of nested aliases (an "alias bomb") expand to billions, and anything that walks them
+    (validation, repr, saving config.yaml) would never finish. Stops at the limit."""
+    count, stack = 0, [obj]
+    while stack:
+        v = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(f"the config holds more than {MAX_CONFIG_VALUES:,} values once "
+                              "its YAML aliases (&name / *name) are expanded; write the values "
+                              "out instead")
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    _check_size(value)
+    return value
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -334,6 +362,8 @@ def _read_yaml(p: Path) -> Any:
         return _yaml_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config={str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config={str(p)!r}: {e}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -354,8 +384,12 @@ SECTIONS = ("run", "model", "data", "train", "analysis")
 
 
 def _short(v: Any, n: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= n else r[: n - 3] + "..."
+    import reprlib
+
+    r = reprlib.Repr()  # bounded: never walks more of a big value than it shows
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 6, 6, n, n
+    text = r.repr(v)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -411,6 +445,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return cfg
     spec = cfg.model_spec(vocab_size=cfg.data.vocab_size)
     max_pos = spec.backbone.max_position_embeddings
+    if "vocab_size" in cfg.model and cfg.data.tokenizer is None:
+        # a trained byte-level BPE has the 256 bytes and an end-of-text token at least: no data
+        # needs preparing to know that a smaller embedding cannot hold its ids
+        _check(spec.backbone.vocab_size >= 257, f"model.vocab_size={spec.backbone.vocab_size} "
+               "must be >= 257: the trained byte-level tokenizer has 256 byte tokens and an "
+               f"end-of-text token (data.vocab_size={cfg.data.vocab_size} asks for "
+               f"{cfg.data.vocab_size}); leave model.vocab_size unset to follow the tokenizer")
     if cfg.train.expert_parallel:  # the world size is checked when training starts
         from remoe.model.expert_parallel import check_expert_parallel
 

@@ -162,6 +162,8 @@ class Trainer:
                     self.init.write(self.run_dir, self.controller)
                 rs = self.step if resume_from is not None else None
                 self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
+                if rs is not None:
+                    self._restore_last_record(state, rs)
                 self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
                 self.tb = open_tensorboard(self.run_dir) if tc.tensorboard else None
         except BaseException:  # a refused or failed start releases the run directory
@@ -215,7 +217,20 @@ class Trainer:
             "controller": self.controller.state_dict() if self.controller else None,
             "rng": to_weights_only(rng_state()),
             "data": {"seed": self.cfg.run.seed, "next_step": self.step},
+            # the metrics line of this step: a resume restores it if the file lost it
+            "last_record": getattr(getattr(self, "metrics", None), "last", None),
         }
+
+    def _restore_last_record(self, state: dict[str, Any], step: int) -> None:
+        """The checkpointed step's metrics line, written back when metrics.jsonl lost it (a
+        line torn by a crash): the summary and the plots read it."""
+        rec = state.get("last_record")
+        have = self.metrics.last
+        if isinstance(rec, dict) and rec.get("step") == step and (
+                have is None or have.get("step") != step):
+            self.metrics.write(rec)
+            rundir.say(f"--resume: metrics.jsonl had lost the line of step {step}; restored it "
+                       "from the checkpoint")
 
     def _load(self, ckpt: Path, state: dict[str, Any] | None = None) -> None:
         if state is None:
