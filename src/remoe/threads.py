@@ -10,8 +10,11 @@ beside one busy process (issue 15), while 1 thread only loses its share of the c
 guessing: every ``probe_every`` optimizer steps it times ``probe_steps`` steps with each
 candidate thread count (all usable cores, and 1) and keeps the faster one until the next probe.
 The probes cost a few steps at the slower setting; a fixed ``train.num_threads=N`` turns it off.
-On this machine's MKL/oneDNN kernels the results of a step do not depend on the thread count
-(tests/test_threads.py checks it bit for bit), so tuning never changes the numbers.
+The results of a step do not depend on the thread count, so tuning never changes the numbers:
+MKL's sgemm does give other bits at 2 threads than at 1 for products over a few rows (an expert
+that received 5-11 tokens, issue 29), and the fused experts run those on one thread
+(``remoe.model.experts.SMALL_MM_ROWS``); tests/reliability/test_thread_count.py trains at 1 and 2
+threads and resumes at another count, bit for bit.
 """
 
 from __future__ import annotations

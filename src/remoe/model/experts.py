@@ -97,6 +97,29 @@ def grouped_mm_supported(x: Tensor, width: int) -> bool:
 FUSED_CHUNK_BYTES = 4 << 20
 
 
+#: an expert's product over fewer rows than this runs on one intra-op thread. MKL's sgemm gives
+#: other bits at 2 threads than at 1 for a few rows (5-11 rows at D=256 on this machine's
+#: AVX2 MKL, issue 29); with them on one thread a step's numbers do not depend on the thread
+#: count the tuner picks (remoe.threads), and at one thread nothing changes. Larger products
+#: measure equal at 1 and 2 threads (tests/reliability/test_thread_count.py). The same holds
+#: for the batched products of padded chunks (a batch of one is a plain product).
+SMALL_MM_ROWS = 64
+
+
+def _mm(a: Tensor, b: Tensor, out: Tensor, rows: int) -> Tensor:
+    """``torch.mm`` (``torch.bmm`` for 3-d operands) into ``out``, on one thread when an
+    expert's ``rows < SMALL_MM_ROWS``."""
+    op = torch.bmm if a.dim() == 3 else torch.mm
+    n = torch.get_num_threads()
+    if rows >= SMALL_MM_ROWS or n == 1:
+        return op(a, b, out=out)
+    torch.set_num_threads(1)
+    try:
+        return op(a, b, out=out)
+    finally:
+        torch.set_num_threads(n)
+
+
 def _mm_chunk(a_RK: Tensor, w_NKM: Tensor, ch: Chunk, counts: list[int], out_RM: Tensor,
               transpose_w: bool = False) -> Tensor:
     """``out[rows of e] = a[rows of e] @ W[e]`` (``W[e]^T``) for the experts of one chunk."""
@@ -107,13 +130,13 @@ def _mm_chunk(a_RK: Tensor, w_NKM: Tensor, ch: Chunk, counts: list[int], out_RM:
         w = w.transpose(1, 2)
     if ch.padded:
         n = ch.e1 - ch.e0
-        torch.bmm(a_RK.view(n, ch.m, -1), w, out=out_RM.view(n, ch.m, -1))
+        _mm(a_RK.view(n, ch.m, -1), w, out_RM.view(n, ch.m, -1), ch.m)
         return out_RM
     r = 0
     for i, e in enumerate(range(ch.e0, ch.e1)):
         c = counts[e]
         if c:
-            torch.mm(a_RK[r:r + c], w[i], out=out_RM[r:r + c])
+            _mm(a_RK[r:r + c], w[i], out_RM[r:r + c], c)
             r += c
     return out_RM
 
@@ -123,14 +146,14 @@ def _wgrad_chunk(a_RK: Tensor, b_RM: Tensor, ch: Chunk, counts: list[int], dw_NK
     if ch.padded:
         n = ch.e1 - ch.e0
         # padding rows carry zero gradients, so they add exact zeros
-        torch.bmm(a_RK.view(n, ch.m, -1).transpose(1, 2), b_RM.view(n, ch.m, -1),
-                  out=dw_NKM[ch.e0:ch.e1])
+        _mm(a_RK.view(n, ch.m, -1).transpose(1, 2), b_RM.view(n, ch.m, -1),
+            dw_NKM[ch.e0:ch.e1], ch.m)
         return
     r = 0
     for e in range(ch.e0, ch.e1):
         c = counts[e]
         if c:
-            torch.mm(a_RK[r:r + c].t(), b_RM[r:r + c], out=dw_NKM[e])
+            _mm(a_RK[r:r + c].t(), b_RM[r:r + c], dw_NKM[e], c)
             r += c
         else:
             dw_NKM[e].zero_()
