@@ -119,14 +119,14 @@ class _Budget:
         # stop scanning once less than 0.5% of the budget is left
         return self.max_bytes - self.used.get(domain, 0) < max(1, self.max_bytes // 200)
 
-    def offer(self, doc: Document) -> bool:
+    def offer(self, doc: Document, user: bool = False) -> bool:
         if not doc.text.strip():
             return False
         n = doc.num_bytes
         used = self.used.get(doc.domain, 0)
         if used + n > self.max_bytes:
             self.over_budget += 1
-            if n > self.max_bytes:
+            if user and n > self.max_bytes:  # (a built-in source's big files are expected)
                 self.too_big.append(n)
             return False
         digest = hashlib.blake2b(doc.text.encode("utf-8"), digest_size=16).digest()
@@ -185,7 +185,7 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
             assert spec.path is not None
             used.append(spec.describe())
             for doc in read_user_source(spec.path, spec.domain):
-                budget.offer(doc)
+                budget.offer(doc, user=True)
     big = ""
     if budget.too_big:
         big = (f"{len(budget.too_big)} document(s) skipped: each is larger than "
