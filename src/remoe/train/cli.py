@@ -46,6 +46,8 @@ def _config_path(arg: str | None) -> Path | None:
             near = sorted(str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
                           for p in found)
             hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            if not near and "=" in arg and "." in arg.split("=", 1)[0]:
+                hint = f" (to change one field, use --set {arg})"
             raise ConfigError(f"config={arg!r} does not exist{hint}")
         return path
     # from a source checkout; otherwise the dataclass defaults (the same tiny ReMoE)

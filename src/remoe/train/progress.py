@@ -9,8 +9,9 @@ from typing import Any
 
 
 def stats_text(rec: dict[str, Any]) -> str:
-    return (f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  "
-            f"lambda {rec['lambda']:.2e}  lr {rec['lr']:.2e}")
+    # lambda only where a controller steers one (a TopK or dense run's is always 0)
+    lam = f"lambda {rec['lambda']:.2e}  " if rec.get("lambda") else ""
+    return f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  {lam}lr {rec['lr']:.2e}"
 
 
 def open_progress(name: str, start_step: int, total: int, log_every: int, bar: bool,
