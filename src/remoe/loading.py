@@ -167,5 +167,13 @@ def _load(d: Path, device: str | torch.device):
         raise ConfigError(f"{d} has a config.json but no weights ({' or '.join(_WEIGHT_FILES)} "
                           "or dcp/); point at a run, a checkpoint or a saved model directory")
     else:
-        model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
+        import pickle
+
+        try:  # (transformers reads a .bin with torch.load(weights_only=True): nothing runs)
+            model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"{d}: the model's files could not be read ({type(e).__name__}: "
+                              f"{first}); a damaged, foreign or crafted file (nothing from it "
+                              "was run)") from None
     return model
