@@ -92,8 +92,8 @@ def grouped_mm_supported(x: Tensor, width: int) -> bool:
 
 
 # --------------------------------------------------------------------------- fused CPU backend
-#: target bytes of one chunk's gathered rows (x rows + pre-activations) per intra-op thread:
-#: cache-resident, yet large enough to keep every thread busy (docs/PERFORMANCE.md, chunk sweep)
+#: target bytes of one chunk's gathered rows (x rows + pre-activations): cache-resident
+#: (docs/PERFORMANCE.md, chunk sweep); not scaled with the thread count (see fused_rows)
 FUSED_CHUNK_BYTES = 4 << 20
 
 
@@ -260,9 +260,12 @@ class FusedExpertsFn(torch.autograd.Function):
 
 
 def fused_rows(d_model: int, d_expert: int, elem: int = 4) -> int:
-    """Rows per fused chunk: its gathered inputs + pre-activations fit FUSED_CHUNK_BYTES per thread."""
-    budget = FUSED_CHUNK_BYTES * max(1, torch.get_num_threads())
-    return max(64, budget // (elem * (2 * d_model + 3 * d_expert)))
+    """Rows per fused chunk: its gathered inputs + pre-activations fit FUSED_CHUNK_BYTES.
+
+    The same at every thread count (it used to scale with it): the chunks decide which experts
+    share a padded product, and so the bits of the result; a budget that followed the thread
+    count made a step's numbers depend on the count the tuner picked (issue 29)."""
+    return max(64, FUSED_CHUNK_BYTES // (elem * (2 * d_model + 3 * d_expert)))
 
 
 def swiglu_fused(x_TD: Tensor, gates_TN: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor,
