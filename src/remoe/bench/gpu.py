@@ -208,10 +208,10 @@ def _device_name(device: torch.device) -> str:
 
 def fsdp_ep_row(steps: int = 4) -> dict:
     """A 2-process FSDP + expert-parallel ``remoe train`` of the micro model (NCCL)."""
-    from remoe.bench.scale import _run
+    from remoe.bench.scale import run_layout
 
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-fsdp-") as tmp:
-        row = _run(2, "fsdp+ep", None, steps, Path(tmp),
+        row = run_layout(2, "fsdp+ep", None, steps, Path(tmp),
                    ["model.preset=micro", "train.seq_len=256", "train.micro_batch_size=8",
                     "train.device=cuda"])
     return {"layout": "fsdp+ep", "world": 2, "tokens_per_s": row["tokens_per_s"],

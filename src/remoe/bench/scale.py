@@ -37,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, layout: str, config: Path | None, steps: int, out_dir: Path,
+def run_layout(world: int, layout: str, config: Path | None, steps: int, out_dir: Path,
          extra: list[str]) -> dict:
     name = f"w{world}-{layout.replace('+', '_')}"
     rss_dir = out_dir / f"{name}-rss"
@@ -76,7 +76,7 @@ def run_scale(config: Path | None, worlds=(1, 2, 4), layouts=tuple(LAYOUTS), ste
         for world in worlds:
             for layout in (layouts[:1] if world == 1 else layouts):
                 load = os.getloadavg()[0]
-                row = _run(world, layout, config, steps, Path(tmp), list(extra))
+                row = run_layout(world, layout, config, steps, Path(tmp), list(extra))
                 row["loadavg_before"] = round(load, 2)
                 rows.append(row)
     return {"rows": rows, "steps": steps, "threads_per_rank": 1, "backend": "gloo (CPU)",

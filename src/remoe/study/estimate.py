@@ -59,9 +59,9 @@ class RunCost:
 
 
 def _model_cfg(exp) -> Any:
-    from remoe.train.trainer import _round_up
+    from remoe.train.trainer import round_up
 
-    return exp.model_config(vocab_size=_round_up(exp.data.vocab_size, 64))
+    return exp.model_config(vocab_size=round_up(exp.data.vocab_size, 64))
 
 
 def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default (system malloc), tcmalloc, retain (glibc keeps freed large blocks)")
 
 
-def _config_path(arg: str | None) -> Path | None:
+def config_path(arg: str | None) -> Path | None:
     if arg is not None:
         path = Path(arg)
         if not path.exists():  # e.g. configs/dmoe.yaml: suggest configs/paper/dmoe.yaml
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     # fails fast, before any data (with train.init_from the default file's model: section,
     # the default model, is not an override of the source's)
-    cfg = load_config(_config_path(args.config), args.overrides, default_file=args.config is None)
+    cfg = load_config(config_path(args.config), args.overrides, default_file=args.config is None)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0

@@ -101,7 +101,7 @@ class Trainer:
             self.model = self._init_model(resume)
             self.model_cfg = self.model.config
         else:
-            vocab = _round_up(data.vocab_size, 64)
+            vocab = round_up(data.vocab_size, 64)
             self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
                                               bos_token_id=data.eos_id, pad_token_id=data.eos_id)
             if self.model_cfg.vocab_size < data.vocab_size:
@@ -455,5 +455,5 @@ class Trainer:
             self.lock = None
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
