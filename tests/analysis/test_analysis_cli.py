@@ -162,6 +162,14 @@ def test_report(remoe_run, topk_run, eval_npz, tmp_path):
         assert text in html
     # the comparison table lists both runs' validation loss (3.9)
     assert len(re.findall(r"3\.9000", html)) >= 2
+    # settling time: the ReLU run's 60 steps; the TopK run's sparsity is fixed by the router,
+    # so n/a as in its training summary, not a settling time of 0 (issue 29 item 7)
+    assert "n/a (sparsity fixed by the router)" in html
+    rows = re.findall(r"<tr>(.*?)</tr>", html, flags=re.S)
+    topk_row = next(r for r in rows if ">moe-syn<" in r and ">topk<" in r)
+    assert "n/a (sparsity fixed by the router)" in topk_row
+    relu_row = next(r for r in rows if ">remoe-syn<" in r and ">relu<" in r)
+    assert "n/a" not in relu_row and ">61<" in relu_row  # report defaults: tol 0.02
 
 
 def test_misspelt_analysis_is_named(remoe_run, capsys):

@@ -63,3 +63,25 @@ def test_no_settling_note_for_a_fixed_sparsity_router(tmp_path, capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert ("has not settled" in out) == (router == "relu"), router
+
+
+def test_auto_classes_ask_nothing_once_remoe_is_imported(save_micro):
+    # issue 29 item 7: AutoTokenizer reads config.json, whose auto_map names the bundled code,
+    # so transformers asked "Do you wish to run the custom code?" even with remoe installed.
+    # `import remoe.model` registers model_type "remoe" with the Auto classes: both load from the
+    # installed package without trust_remote_code and without the question (README, "Saved
+    # models"); the model is remoe's own class, not the bundled copy.
+    import subprocess
+    import sys
+
+    path, _ = save_micro("auto-no-question")
+    code = ("import remoe.model\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"tok = AutoTokenizer.from_pretrained({str(path)!r})\n"
+            f"model = AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
+            "print(type(model).__module__, tok('The cat')['input_ids'][:1])\n")
+    r = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "custom code" not in r.stdout + r.stderr
+    assert r.stdout.split()[0] == "remoe.model.llama"

@@ -104,3 +104,20 @@ def test_progress_lines_first_every_and_last(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [ln.split()[1] for ln in out] == ["1/5", "2/5", "4/5", "5/5"]
     assert "ETA" in out[0] and "S 0.500" in out[0]
+
+
+def test_progress_eta_ignores_the_first_steps_warm_up(capsys, monkeypatch):
+    # step 1 takes 80 s (warm-up), then 10 s per step: the ETA at step 3 of 10 is 7 x 10 s,
+    # not (100 s / 3) x 7 nor 80 s x 7 (issue 29 item 7: the first ETAs were ~8x too high)
+    clock = iter([80.0, 90.0, 100.0])
+    monkeypatch.setattr("remoe.train.progress.time.monotonic", lambda: next(clock))
+    lines = ProgressLines(total=10, every=1)
+    for step, secs in ((1, 80.0), (2, 10.0), (3, 10.0)):
+        lines.update({"step": step, "tokens": 10 * step, "step_tokens": 10,
+                      "tokens_per_s": 10 / secs, "lm_loss": 1.0, "sparsity": 0.5, "lambda": 0.0,
+                      "lr": 1e-3})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("ETA after warm-up")
+    assert out[1].endswith("ETA 1m20s")  # 8 steps left x 10 s
+    assert out[2].endswith("ETA 1m10s")
+    assert "lambda" not in out[0]  # no controller steers a lambda of 0

@@ -16,6 +16,14 @@ from remoe.analysis.report_html import esc, fmt, img, table
 from remoe.analysis.runlog import Run
 
 
+def settling_cell(router: str | None, st: dict):
+    """Settling time for the tables: n/a where the router fixes the sparsity by construction
+    (no adaptive lambda: TopK, Hash, ...), as in the training summary."""
+    if not adaptive_lambda(router):
+        return "n/a (sparsity fixed by the router)"
+    return st.get("settling_time")
+
+
 def comparison_section(runs: list[Run], names: list[str], results: list[dict],
                        outs: list[Path]) -> str:
     parts = ['<h2 id="compare">Comparison</h2>']
@@ -29,7 +37,7 @@ def comparison_section(runs: list[Run], names: list[str], results: list[dict],
                      f["params_active"], int(run.metrics.steps[-1]) if len(run.metrics) else None,
                      last_value(run, "tokens"), last_value(run, "flops"), last_lm_loss(run),
                      ev.get("val_loss") if ev else None, (eval_loss(run) or (None,))[0],
-                     st.get("settling_time"), sp.get("mean"), fl.get("mean_flip_rate"),
+                     settling_cell(f["router"], st), sp.get("mean"), fl.get("mean_flip_rate"),
                      sc.get("index")])
     parts.append(table(["run", "router", "E", "k", "G", "params", "active params", "steps",
                         "tokens", "FLOPs", "train LM loss (last 20)",
@@ -163,7 +171,9 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
     if sp:
         facts.append((f"sparsity after step {sp['skip_steps']} (mean ± std)",
                       f"{fmt(sp.get('mean'))} ± {fmt(sp.get('std'))}"))
-    if st:
+    if st and not adaptive_lambda(f["router"]):
+        facts.append(("settling time (stages I+II)", settling_cell(f["router"], st)))
+    elif st:
         ends = [st["first_step"], st["stage2_start"], st["settle_step"]]
         facts.append(("stages", f"I: {_span(ends[0], ends[1])}, II: {_span(ends[1], ends[2])}, "
                                 f"III: " + (f"from step {ends[2]}" if ends[2] is not None

@@ -38,18 +38,29 @@ class ProgressLines:
     def update(self, rec: dict[str, Any]) -> None:
         now, total = time.monotonic(), self.total
         if self.start is None:
+            # the first step of a process carries one-time costs (allocation, lazy
+            # initialisation, the thread tuner's first probe): the ETA counts from its end, so
+            # it is not the first step's time multiplied by the steps left (issue 29: ~8x high)
             step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
-            self.start = self.last = (now - step_s, rec["step"] - 1,
-                                      rec["tokens"] - rec["step_tokens"])
+            self.last = (now - step_s, rec["step"] - 1, rec["tokens"] - rec["step_tokens"])
+            self.start = (now, rec["step"], rec["tokens"])
         every = self.every
         if not every or not (rec["step"] % every == 0 or rec["step"] in (1, total)
                              or now - self.last[0] >= 30.0):
             return
         t0, _, k0 = self.last
         rate = (rec["tokens"] - k0) / max(now - t0, 1e-9)
-        ts, ss, _ = self.start
-        left = (now - ts) / max(rec["step"] - ss, 1) * max(total - rec["step"], 0)
-        eta = f"{int(left // 60)}m{int(left % 60):02d}s"
         print(f"step {rec['step']:>5}/{total} ({100 * rec['step'] / max(total, 1):3.0f}%)  "
-              f"{stats_text(rec)}  {rate:,.0f} tok/s  ETA {eta}", flush=True)
+              f"{stats_text(rec)}  {rate:,.0f} tok/s  ETA {self.eta(now, rec['step'])}",
+              flush=True)
         self.last = (now, rec["step"], rec["tokens"])
+
+    def eta(self, now: float, step: int) -> str:
+        """Time left at the mean step time since the end of this process's first step."""
+        ts, ss, _ = self.start
+        if step >= self.total:
+            return "0m00s"
+        if step <= ss:
+            return "after warm-up"
+        left = (now - ts) / (step - ss) * (self.total - step)
+        return f"{int(left // 60)}m{int(left % 60):02d}s"
