@@ -4,7 +4,8 @@
 metrics.jsonl, eval.jsonl, checkpoints/step_*/trainer_state.pt + LATEST, summary.json. Each
 call is appended to ``<study out>/stub_calls.log``. Env: STUB_STEP_S (sleep per step),
 STUB_FAIL (a run name that exits with status 3). FLOPs per step = 1000 * num_experts (or the
-train.max_flops stop rule), so match_flops_of can be checked.
+train.max_flops stop rule), so match_flops_of can be checked. ``train.init_from`` must name a
+run directory that holds a summary.json (a trained run), else exit status 4.
 """
 
 import json
@@ -22,7 +23,13 @@ run_dir = Path(run["out_dir"]) / run["name"]
 out = run_dir.parent.parent
 with open(out / "stub_calls.log", "a") as fh:
     fh.write(f"{run['name']} {' '.join(flags)} threads={train.get('num_threads')} "
-             f"omp={os.environ.get('OMP_NUM_THREADS')}\n")
+             f"omp={os.environ.get('OMP_NUM_THREADS')}"
+             + (f" init={Path(train['init_from']).name}" if train.get("init_from") else "")
+             + "\n")
+init = train.get("init_from")
+if init is not None and not (Path(init) / "summary.json").is_file():
+    print(f"stub: init_from {init} holds no trained run", flush=True)
+    sys.exit(4)
 if os.environ.get("STUB_FAIL") == run["name"]:
     print("stub: simulated failure", flush=True)
     sys.exit(3)

@@ -59,6 +59,39 @@ def test_runs_jobs_threads_and_never_redoes_finished_runs(write_spec, tmp_path):
     assert len(_calls(out)) == 5
 
 
+# a base with no shape fields: a run started from another's weights takes its shape from them
+BASE_NO_SHAPE = {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}}
+
+
+def test_init_from_run_waits_for_its_source_and_skips_if_it_failed(write_spec, tmp_path,
+                                                                 monkeypatch):
+    spec = write_spec({"base": BASE_NO_SHAPE, "groups": [
+        {"name": "pre", "set": {"model.preset": "micro", "model.num_experts": 4},
+         "runs": [{"label": "dense", "set": {"model.router": "dense"}},
+                                 {"label": "topk", "set": {"model.router": "topk"}}]},
+        {"name": "cont", "runs": [{"label": "up", "init_from_run": "dense"},
+                                  {"label": "swap", "init_from_run": "topk"}],
+         "set": {"model.router": "relu"}},
+        {"name": "scratch", "set": {"model.preset": "micro", "model.num_experts": 4},
+         "runs": [{"label": "relu", "set": {"model.router": "relu"}}],
+         "match_flops_of": ["dense", "up"]}]})
+    out = tmp_path / "out"
+    monkeypatch.setenv("STUB_FAIL", "topk-s0")
+    assert _study(spec, out, jobs=2).run(poll_s=0.02) == 1  # the stub exits 4 if started early
+    state = json.loads((out / "study.json").read_text())["runs"]
+    assert {n: r["state"] for n, r in state.items()} == {
+        "dense-s0": "done", "topk-s0": "failed", "up-s0": "done", "swap-s0": "skipped",
+        "relu-s0": "done"}
+    assert "up-s0  threads=1 omp=1 init=dense-s0" in _calls(out)
+    # the scratch run stopped at the FLOPs of dense + upcycled together
+    flops = [json.loads((out / f"runs/{n}/summary.json").read_text())["flops"]
+             for n in ("dense-s0", "up-s0")]
+    assert f"max_flops: {sum(flops)}" in (out / "configs/relu-s0.yaml").read_text()
+    monkeypatch.delenv("STUB_FAIL")
+    assert _study(spec, out, jobs=2).run(poll_s=0.02) == 0
+    assert [c.split()[0] for c in _calls(out)][-2:] == ["topk-s0", "swap-s0"]
+
+
 def test_failed_run_is_reported_and_does_not_stop_the_others(write_spec, tmp_path, monkeypatch):
     spec = write_spec({"groups": [{"name": "g", "grid": {"model.router": ["topk", "relu"]}},
                                   {"name": "m", "label": "m-{label}", "runs": [{"label": "d"}],

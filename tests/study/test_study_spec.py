@@ -63,7 +63,7 @@ def test_match_flops_of_runs_first_whatever_the_spec_order(write_spec):
          "grid": {"model.router": ["topk", "dense"]}, "match_flops_of": "relu"},
         {"name": "tokens", "grid": {"model.router": ["relu"]}},
     ]}))
-    assert spec.by_name()["flops-topk-s1"].match_of == "relu-s1"  # same seed
+    assert spec.by_name()["flops-topk-s1"].match_of == ("relu-s1",)  # same seed
     order = [r.name for r in spec.ordered()]
     assert order == ["relu-s0", "flops-topk-s0", "relu-s1", "flops-topk-s1",
                      "flops-dense-s0", "flops-dense-s1"]
@@ -94,6 +94,52 @@ def test_validation_errors_name_the_field(write_spec, spec, message):
         load_spec(write_spec(spec))
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# a base with no shape fields: a run started from another's weights takes its shape from them
+BASE_NO_SHAPE = {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}}
+
+
+def test_init_from_run_and_summed_match_flops_order_and_config(write_spec, tmp_path):
+    # issue 26's recipes: continue a study run's weights; match the FLOPs of two runs together
+    spec = load_spec(write_spec({"base": BASE_NO_SHAPE, "groups": [
+        {"name": "scratch", "set": {"model.preset": "micro", "model.num_experts": 4},
+         "runs": [{"label": "relu", "set": {"model.router": "relu"}}],
+         "match_flops_of": ["dense", "up"]},
+        {"name": "cont", "runs": [{"label": "up", "init_from_run": "dense",
+                                   "set": {"model.router": "relu"}},
+                                  {"label": "swap", "set": {"model.router": "relu"}}],
+         "init_from_run": "topk"},
+        {"name": "pre", "set": {"model.preset": "micro", "model.num_experts": 4},
+         "runs": [{"label": "dense", "set": {"model.router": "dense"}},
+                                 {"label": "topk", "set": {"model.router": "topk"}}]}]}))
+    by = spec.by_name()
+    assert by["relu-s0"].match_of == ("dense-s0", "up-s0")
+    assert by["up-s0"].init_of == "dense-s0" and by["swap-s0"].init_of == "topk-s0"
+    assert by["up-s0"].deps == ("dense-s0",) and by["relu-s0"].describe_stop() == (
+        "flops of dense-s0 + up-s0")
+    order = [r.name for r in spec.ordered()]
+    assert order == ["dense-s0", "up-s0", "relu-s0", "topk-s0", "swap-s0"]
+    cfg = apply_stop(by["up-s0"], tmp_path / "runs", None)
+    assert cfg["train"]["init_from"] == str(tmp_path / "runs" / "dense-s0")
+    assert "init_from" not in apply_stop(by["dense-s0"], tmp_path, None)["train"]
+
+
+@pytest.mark.parametrize("group, message", [
+    ({"name": "a", "runs": [{"label": "x", "init_from_run": "nope"}]}, "names no run label"),
+    ({"name": "a", "runs": [{"label": "x", "init_from_run": "x"}]}, "names the run itself"),
+    ({"name": "a", "runs": [{"label": "x", "init_from_run": ""}]}, "must be a run label"),
+    ({"name": "a", "runs": [{"label": "x"}], "match_flops_of": []}, "list of run labels"),
+    ({"name": "a", "runs": [{"label": "x"}, {"label": "y"}], "match_flops_of": ["y", "y"]},
+     "named twice"),
+    ({"name": "a", "runs": [{"label": "x"}, {"label": "y", "init_from_run": "x",
+                                             "set": {"train.init_from": "d"}}]},
+     "either init_from_run or train.init_from"),
+])
+def test_init_from_run_errors(write_spec, group, message):
+    with pytest.raises(ConfigError) as e:
+        load_spec(write_spec({"groups": [group]}))
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_match_flops_cycle_is_an_error(write_spec):

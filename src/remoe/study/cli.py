@@ -63,6 +63,19 @@ def _fmt_s(s: float) -> str:
     return f"{s / 3600:.2f} h"
 
 
+def model_of_source(study, r, cfg: dict) -> dict:
+    """The config to cost ``r`` with: for a run that starts from a study run's weights
+    (``init_from_run``), that run's model with ``r``'s model overrides (the shape comes from
+    the source, as in training); otherwise ``cfg`` itself."""
+    if r.init_of is None:
+        return cfg
+    src = study.spec.by_name()[r.init_of]
+    model_of = model_of_source(study, src, src.config)["model"]
+    out = {**cfg, "model": {**model_of, **cfg.get("model", {})},
+           "train": {k: v for k, v in cfg.get("train", {}).items() if k != "init_from"}}
+    return out
+
+
 def dry_run(study, log=print, gflops: float | None = None) -> dict:
     """Print the runs and the estimated CPU time; returns the totals."""
     from remoe.study import estimate
@@ -88,7 +101,8 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         if summary is not None:
             rows.append((r, "done", summary.get("steps"), flops_of[r.name], 0.0))
             continue
-        match = flops_of.get(r.match_of) if r.match_of else None
+        match = (sum(flops_of[d] for d in r.match_of)
+                 if r.match_of and all(d in flops_of for d in r.match_of) else None)
         cfg = apply_stop(r, study.runs_dir, study.threads, match)
         want = same_experiment(cfg) if elsewhere else None
         src = next((p for p, c in elsewhere if c == want), None)
@@ -97,7 +111,7 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
             flops_of[r.name] = float(summary.get("flops") or 0.0)
             rows.append((r, "reuse", summary.get("steps"), flops_of[r.name], 0.0))
             continue
-        cost = estimate.estimate_flops(cfg)
+        cost = estimate.estimate_flops(model_of_source(study, r, cfg))
         flops_of[r.name] = cost.flops
         secs = estimate.cpu_seconds(cost, gflops)
         todo.append(cost)

@@ -35,8 +35,9 @@ def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
     ``train.max_flops`` and ``max_steps = ceil(flops / nominal FLOPs per step)`` (the run's
     k-sparse cost, :func:`remoe.study.estimate.nominal_step_flops`), so that the cosine
     schedule ends where a sparse-cost run stops; a ReLU run, denser before it settles, reaches
-    ``max_flops`` a little earlier. ``match_flops`` is the matched run's FLOPs (None before it
-    finished: a placeholder of 1 FLOP keeps the config valid for checking).
+    ``max_flops`` a little earlier. ``match_flops`` is the matched runs' FLOPs, summed (None
+    before they finished: a placeholder of 1 FLOP keeps the config valid for checking).
+    ``init_from_run``: ``train.init_from`` is that run's directory under ``out_dir``.
     """
     from remoe.study.estimate import nominal_step_flops
 
@@ -45,8 +46,10 @@ def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
     if threads is not None:
         cfg.setdefault("train", {})["num_threads"] = threads
     stop = run.stop
-    if run.match_of is not None:
+    if run.match_of:
         stop = {"flops": float(match_flops) if match_flops else 1.0}
+    if run.init_of is not None:  # init_from_run: the study run's directory (its final/)
+        cfg.setdefault("train", {})["init_from"] = str(Path(out_dir) / run.init_of)
     if stop:
         (k, v), = stop.items()
         train = cfg.setdefault("train", {})

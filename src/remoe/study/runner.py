@@ -126,10 +126,17 @@ class Study:
         return latest_checkpoint(self.run_dir(r) / "checkpoints") is not None
 
     def match_flops(self, r: RunSpec) -> float | None:
-        if r.match_of is None:
+        """The summed training FLOPs of the runs ``r`` matches (None: not all finished)."""
+        if not r.match_of:
             return None
-        s = self.summary(self.spec.by_name()[r.match_of])
-        return float(s["flops"]) if s and s.get("flops") else None
+        by = self.spec.by_name()
+        total = 0.0
+        for name in r.match_of:
+            s = self.summary(by[name])
+            if not (s and s.get("flops")):
+                return None
+            total += float(s["flops"])
+        return total
 
     def full_config(self, r: RunSpec) -> dict[str, Any]:
         return apply_stop(r, self.runs_dir, self.threads, self.match_flops(r))
@@ -142,7 +149,7 @@ class Study:
             saved = self.source_dir(r) / "config.yaml"
             if not saved.is_file():
                 continue
-            if r.match_of is not None and self.match_flops(r) is None:
+            if r.match_of and self.match_flops(r) is None:
                 continue  # its stop point is not known yet: checked once it is
             if not (self.summary(r) or self.has_checkpoint(r)):
                 continue  # nothing to keep: it restarts from scratch
@@ -170,8 +177,8 @@ class Study:
             d = self.run_dir(r)
             if self.trained(r) or self.has_checkpoint(r) or (d.exists() and any(d.iterdir())):
                 continue
-            if r.match_of is not None and self.match_flops(r) is None:
-                continue
+            if (r.match_of and self.match_flops(r) is None) or r.init_of:
+                continue  # no stop point yet, or weights of this study's own run
             want = same_experiment(self.full_config(r))
             src = next((p for p, cfg in found if cfg == want), None)
             if src is None:
@@ -195,9 +202,10 @@ class Study:
         stack = list(want)
         while stack:
             r = by[stack.pop()]
-            if r.match_of and r.match_of not in want:
-                want.add(r.match_of)
-                stack.append(r.match_of)
+            for dep in r.deps:
+                if dep not in want:
+                    want.add(dep)
+                    stack.append(dep)
         return [r for r in ordered if r.name in want]
 
     # -- state file -----------------------------------------------------------------------------
@@ -263,17 +271,20 @@ class Study:
                         if self.states[name].state == "pending":  # trained, to evaluate
                             todo.insert(0, r)
                 for r in list(todo):
-                    dep = by.get(r.match_of) if r.match_of else None
-                    if dep is not None and self.states[dep.name].state in ("failed", "skipped"):
+                    dep = next((by[d] for d in r.deps
+                                if self.states[d].state in ("failed", "skipped")), None)
+                    if dep is not None:
                         todo.remove(r)
                         st = self.states[r.name]
                         st.state, st.message = "skipped", f"{dep.name} did not finish"
-                        self.log(f"  skipped {r.name}: it matches the FLOPs of {dep.name}, "
-                                 "which did not finish")
+                        how = ("starts from the weights of" if dep.name == r.init_of
+                               else "matches the FLOPs of")
+                        self.log(f"  skipped {r.name}: it {how} {dep.name}, which did not "
+                                 "finish")
                         self.write_state("running")
                 while todo and len(running) < self.jobs:
-                    ready = next((r for r in todo if r.match_of is None
-                                  or self.trained(by[r.match_of])), None)
+                    ready = next((r for r in todo
+                                  if all(self.trained(by[d]) for d in r.deps)), None)
                     if ready is None:
                         break
                     todo.remove(ready)
@@ -315,7 +326,7 @@ class Study:
         if self.trained(r):
             return self._launch_eval(r)
         cfg = self.full_config(r)
-        if r.match_of is not None:  # its stop point is known now: the same check as at start
+        if r.match_of:  # its stop point is known now: the same check as at start
             self.check_existing([r])
         path = self.config_path(r)
         path.parent.mkdir(parents=True, exist_ok=True)

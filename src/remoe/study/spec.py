@@ -8,8 +8,12 @@ sections, as in ``remoe train`` configs) and ``groups``. Each group expands to r
 * ``runs``: explicit labelled override sets (``- {label: pi, set: {model.lambda_update: pi}}``),
   each crossed with the grid when both are given;
 * ``seeds``: the seeds every labelled run is repeated with (default ``[0]``);
-* a stop rule: ``stop: {steps|tokens|flops: X}``, or ``match_flops_of: LABEL``: stop at the
-  training FLOPs the run LABEL (same seed) spent, read from its ``summary.json`` once finished.
+* a stop rule: ``stop: {steps|tokens|flops: X}``, or ``match_flops_of: LABEL`` (or a list of
+  labels): stop at the training FLOPs the run LABEL (same seed) spent -- the sum over the list --
+  read from its ``summary.json`` once finished;
+* ``init_from_run: LABEL`` (group or run): start from the weights of the study's run LABEL
+  (same seed) once it has trained, as ``train.init_from=<its run directory>`` (issue 26's
+  recipes: upcycling, router swap).
 
 Overrides apply in the order base < group ``set`` < grid point < explicit run ``set``. A run's
 label is the explicit run's label and/or the grid values in short form (``relu-E32``, see
@@ -40,8 +44,9 @@ from remoe.study.specfields import (SECTIONS, check, clean_name, dotted, merge, 
 SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval",
              "results")
 EVAL_KEYS = ("tasks", "limit", "loss")
-GROUP_KEYS = ("name", "set", "grid", "runs", "seeds", "stop", "match_flops_of", "label")
-RUN_KEYS = ("label", "set")
+GROUP_KEYS = ("name", "set", "grid", "runs", "seeds", "stop", "match_flops_of", "label",
+              "init_from_run")
+RUN_KEYS = ("label", "set", "init_from_run")
 #: run.* fields the study owns (name, directory and seed of every run)
 #: short forms of grid keys in automatic labels: prefix + value ("" = the value alone)
 SHORT = {"model.router": "", "model.reg_type": "", "model.sparsity_control": "",
@@ -62,14 +67,20 @@ class RunSpec:
     overrides: dict[str, Any]  # the spec's overrides of this run (group set + grid + run set)
     config: dict[str, dict[str, Any]]
     stop: dict[str, float] | None = None
-    match_of: str | None = None  # the name of the run whose FLOPs this one matches
+    match_of: tuple[str, ...] = ()  # the runs whose FLOPs (summed) this one matches
+    init_of: str | None = None  # the run whose weights this one starts from
+
+    @property
+    def deps(self) -> tuple[str, ...]:
+        """The runs that must have trained before this one starts."""
+        return self.match_of + ((self.init_of,) if self.init_of else ())
 
     def describe_overrides(self, skip: tuple[str, ...] = ()) -> str:
         return " ".join(f"{k}={_fmt_value(v)}" for k, v in self.overrides.items() if k not in skip)
 
     def describe_stop(self) -> str:
         if self.match_of:
-            return f"flops of {self.match_of}"
+            return f"flops of {' + '.join(self.match_of)}"
         if self.stop:
             (k, v), = self.stop.items()
             return f"{k} {v:.3g}" if k == "flops" else f"{k} {int(v)}"
@@ -96,8 +107,9 @@ class StudySpec:
         return {r.name: r for r in self.runs}
 
     def ordered(self) -> list[RunSpec]:
-        """Runs in spec order, except that a run named by ``match_flops_of`` comes before the
-        runs that match it (a stable topological order)."""
+        """Runs in spec order, except that a run named by ``match_flops_of`` or
+        ``init_from_run`` comes before the runs that depend on it (a stable topological
+        order)."""
         by = self.by_name()
         out: list[RunSpec] = []
         seen: set[str] = set()
@@ -105,10 +117,10 @@ class StudySpec:
         def visit(r: RunSpec, trail: tuple[str, ...]) -> None:
             if r.name in seen:
                 return
-            check(r.name not in trail, "study: match_flops_of forms a cycle: "
+            check(r.name not in trail, "study: match_flops_of / init_from_run form a cycle: "
                   + " -> ".join(trail + (r.name,)))
-            if r.match_of:
-                visit(by[r.match_of], trail + (r.name,))
+            for dep in r.deps:
+                visit(by[dep], trail + (r.name,))
             seen.add(r.name)
             out.append(r)
 
@@ -252,12 +264,25 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
     for r, target, where in pending_match:
         check((target, r.seed) in labels, f"{where}={target!r} names no run label of the study "
               f"with seed {r.seed} (labels: {', '.join(sorted({lab for lab, _ in labels}))})")
-        r.match_of = labels[(target, r.seed)]
-        check(r.match_of != r.name, f"{where}={target!r} names the run itself")
+        dep = labels[(target, r.seed)]
+        check(dep != r.name, f"{where}={target!r} names the run itself")
+        if where.endswith(".init_from_run"):
+            r.init_of = dep
+        else:
+            check(dep not in r.match_of, f"{where}: {target!r} is named twice")
+            r.match_of += (dep,)
     spec.ordered()  # cycle check
     if validate:
         validate_runs(spec)
     return spec
+
+
+def _init_label(entry: dict, where: str) -> str | None:
+    """``init_from_run: LABEL`` of a group or run entry (None: not given)."""
+    init = entry.get("init_from_run")
+    check(init is None or (isinstance(init, str) and init.strip() != ""),
+          f"{where}.init_from_run={init!r} must be a run label")
+    return init
 
 
 def _entry_name(entry: Any, where: str, allowed: tuple[str, ...], key: str, taken: Any,
@@ -296,16 +321,21 @@ def _expand_group(g: Any, gi: int, base: dict, default_seeds: list[int], group_n
     stop = stop_rule(g.get("stop"), f"{where}.stop")
     match = g.get("match_flops_of")
     if match is not None:
-        check(isinstance(match, str) and match.strip() != "",
-              f"{where}.match_flops_of={match!r} must be a run label")
+        if isinstance(match, str):
+            match = [match]
+        check(isinstance(match, list) and match != [] and all(
+            isinstance(m, str) and m.strip() != "" for m in match),
+            f"{where}.match_flops_of={g.get('match_flops_of')!r} must be a run label or a "
+            "list of run labels")
         check(stop is None, f"{where}: give either stop or match_flops_of, not both")
+    group_init = _init_label(g, where)
     template = g.get("label")
     check(template is None or (isinstance(template, str) and template.strip() != ""),
           f"{where}.label={template!r} must be a label template such as 'flops-{{label}}'")
 
-    items: list[tuple[str, dict[str, Any]]] = []  # (explicit label, overrides)
+    items: list[tuple[str, dict[str, Any], str | None]] = []  # (label, overrides, init label)
     if explicit is None:
-        items.append(("", {}))
+        items.append(("", {}, group_init))
     else:
         taken = set()
         for ri, r in enumerate(explicit):
@@ -313,11 +343,12 @@ def _expand_group(g: Any, gi: int, base: dict, default_seeds: list[int], group_n
             lab = _entry_name(r, rw, RUN_KEYS, "label", taken, "a mapping with label and set",
                               "twice in the group")
             taken.add(lab)
-            items.append((lab, dotted(r.get("set"), f"{rw}.set")))
+            items.append((lab, dotted(r.get("set"), f"{rw}.set"), _init_label(r, rw)
+                          or group_init))
     points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())] or [{}]
 
     out = []
-    for lab, run_set in items:
+    for lab, run_set, init in items:
         for point in points:
             overrides = {**common, **point, **run_set}
             auto = "-".join(x for x in (lab, auto_label(point)) if x) or gname
@@ -330,9 +361,13 @@ def _expand_group(g: Any, gi: int, base: dict, default_seeds: list[int], group_n
                 name = f"{label}-s{seed}"
                 run = RunSpec(name=name, label=label, group=gname, seed=seed,
                               overrides=overrides, config=cfg, stop=stop)
-                if match is not None:
-                    target = _format(match, f"{where}.match_flops_of", config, label=label,
+                for m in match or ():
+                    target = _format(m, f"{where}.match_flops_of", config, label=label,
                                      seed=seed)
                     pending_match.append((run, target, f"{where}.match_flops_of"))
+                if init is not None:
+                    check("train.init_from" not in overrides, f"{where}: give either "
+                          "init_from_run or train.init_from, not both")
+                    pending_match.append((run, init, f"{where}.init_from_run"))
                 out.append(run)
     return out
