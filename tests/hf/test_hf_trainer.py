@@ -181,3 +181,36 @@ def test_lora_on_attention_and_experts_trains_and_merges_back(tmp_path, router):
     again = ReMoEForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         assert torch.allclose(again(input_ids=ids).logits, adapted, atol=1e-5)
+
+
+def test_remoe_trainer_under_torchrun_controls_the_all_reduced_sparsity(tmp_path, free_port):
+    # two processes (gloo, CPU): both ranks start from the same lambda (gradient balance summed
+    # over ranks), the controller sees the sparsity of both ranks' tokens together, every rank
+    # takes the same lambda at every step, and the weights stay equal (issue 26)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("ddp_trainer_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(worker), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert [d["world"] for d in ranks] == [2, 2]
+    a, b = ranks
+    assert a["lambda_rule"] == b["lambda_rule"] and "gradient balance" in a["lambda_rule"]
+    assert len(a["steps"]) == len(b["steps"]) == 6
+    for sa, sb in zip(a["steps"], b["steps"]):
+        assert sa["lambda"] == sb["lambda"] and sa["sparsity"] == sb["sparsity"]
+        # the controller's sparsity is that of both ranks' tokens, not this rank's
+        tokens = sa["local_tokens"] + sb["local_tokens"]
+        pooled = (sa["local_sparsity"] * sa["local_tokens"]
+                  + sb["local_sparsity"] * sb["local_tokens"]) / tokens
+        assert sa["sparsity"] == pytest.approx(pooled, abs=1e-6)
+    assert any(sa["local_sparsity"] != sb["local_sparsity"] for sa, sb in zip(a["steps"],
+                                                                              b["steps"]))
+    assert len({s["lambda"] for s in a["steps"]}) > 1  # lambda moves
+    assert a["weights"] == b["weights"]

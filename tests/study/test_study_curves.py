@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -163,3 +164,34 @@ def test_overtime_windows_read_lambda_share_layers_and_dead_experts(tmp_path):
     assert ws[0]["lambda"] == pytest.approx((1e-3 ** 5 * 1e-2) ** (1 / 6))
     assert ws[1]["sparsity"] == pytest.approx([0.8, 0.95]) and ws[1]["dev_max"] == pytest.approx(0.075)
     assert ws[0]["dead"] == [0.0, 0.0] and ws[1]["dead"] == [0.0, 2.0]
+
+
+def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
+    # issue 26's recipes: a run started from another's weights gets a row with its source, the
+    # first lambda and its rule (init_from.json, committed with the run), and the FLOPs of the
+    # run plus its source's
+    spec = write_spec({"results": "committed",
+                       "base": {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}},
+                       "groups": [
+                           {"name": "pre", "runs": [{"label": "topk", "set": {
+                               "model.preset": "micro", "model.router": "topk"}}]},
+                           {"name": "cont", "runs": [{"label": "swap", "init_from_run": "topk",
+                                                      "set": {"model.router": "relu"}}]}]})
+    out = tmp_path / "out"
+    assert Study(load_spec(spec), out, command=_stub, log=lambda m: None).run(poll_s=0.02) == 0
+    rec = {"init_from": str(out / "runs/topk-s0"), "lambda_start": [0.0041],
+           "lambda_rule": "gradient balance |g_lm| / |g_reg|",
+           "conversion": ["router topk -> relu"]}
+    (out / "runs/swap-s0/init_from.json").write_text(json.dumps(rec))  # as remoe train writes
+    assert _results_only(spec, out) == 0
+    shutil.rmtree(out)  # a new machine: only the committed copies are left
+    assert _results_only(spec, tmp_path / "elsewhere") == 0
+    md = (tmp_path / "committed" / "results.md").read_text()
+    section = md[md.index("## Runs started from other runs' weights"):]
+    row = next(line for line in section.splitlines() if line.startswith("| `swap`"))
+    cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip("|"))]  # "\|": in a cell
+    assert cells[1] == "`topk-s0`" and cells[2] == "5.000 → 5.000"
+    assert cells[8] == r"0.0041 (gradient balance \|g_lm\| / \|g_reg\|)"
+    # stub: 1000 FLOPs per step x model.num_experts (unset here: 1), 3 steps each
+    assert float(cells[9]) == 2 * 3 * 1000
+    assert "| `topk`" not in section  # a run from scratch has no row

@@ -5,7 +5,8 @@ may be gone next session. A spec with ``results: DIR`` (relative to the spec) ge
 finished run's small outputs copied to ``DIR/runs/<name>/`` (:func:`export_run`), meant to be
 committed with the repository:
 
-* ``config.yaml``, ``summary.json``, ``eval.jsonl``, ``eval_results.json`` as written;
+* ``config.yaml``, ``summary.json``, ``eval.jsonl``, ``eval_results.json``,
+  ``init_from.json`` (a run started from existing weights) as written;
 * ``metrics.jsonl.gz``: ``metrics.jsonl`` gzip-compressed (deterministic: no name, mtime 0);
 * ``routing/masks_*.npz``: the calibration-set routing masks (inactive experts, flips);
 * ``study_run.json``: what ``study.json`` knew of the run (wall time over every attempt).
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 #: files copied as they are (those present)
-PLAIN_FILES = ("config.yaml", "summary.json", "eval.jsonl", "eval_results.json")
+PLAIN_FILES = ("config.yaml", "summary.json", "eval.jsonl", "eval_results.json",
+               "init_from.json")
 METRICS_GZ = "metrics.jsonl.gz"
 RUN_STATE = "study_run.json"
 #: what a run's study.json entry contributes to the committed copy

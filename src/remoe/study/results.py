@@ -369,6 +369,12 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
         over = overtime.markdown_section(rows, lambda row: Path(row["source"]))
         if over:
             text += "\n" + "\n".join(over) + "\n"
+    if any(r.init_of for r in spec.runs):
+        from remoe.study import continued
+
+        cont = continued.markdown_section(spec, rows, lambda row: Path(row["source"]))
+        if cont:
+            text += "\n" + "\n".join(cont) + "\n"
     csv_path = md = None
     for d in dict.fromkeys([Path(out)] + ([spec.results_dir] if spec.results_dir else [])):
         d.mkdir(parents=True, exist_ok=True)
