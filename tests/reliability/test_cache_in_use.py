@@ -84,3 +84,30 @@ def test_checkpoints_and_final_hold_the_runs_tokenizer(tmp_path, train_argv):
     sha = _sha(run / "tokenizer.json")
     assert _sha(run / "final" / "tokenizer.json") == sha
     assert _sha(run / "checkpoints" / "step_0000002" / "tokenizer.json") == sha
+
+
+def test_cache_read_by_load_prepared_is_not_rebuilt(own_cache, rundir_data_cfg, capsys):
+    # `remoe eval` and the analyses open a cache with load_prepared: while such a process holds
+    # its bundle, a build with other settings is refused as for a training run (issue 29)
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from remoe.data import load_prepared\n"
+            f"b = load_prepared({str(own_cache)!r}, verify=False)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n")
+    reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        before = _sha(own_cache / "tokenizer.json")
+        argv = _data_argv(own_cache, rundir_data_cfg, rundir_data_cfg.vocab_size + 128)
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert f"in use by pid {reader.pid}" in capsys.readouterr().err
+        assert _sha(own_cache / "tokenizer.json") == before
+    finally:
+        reader.kill()
+        reader.wait()
+    assert main(_data_argv(own_cache, rundir_data_cfg, rundir_data_cfg.vocab_size + 128)) == 0
+    assert _sha(own_cache / "tokenizer.json") != before

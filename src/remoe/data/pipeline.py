@@ -159,11 +159,25 @@ def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, veri
     """Open a cache built by :func:`prepare_data` without reading the sources.
 
     With ``verify`` (default) every file is checked against the sha256 in the manifest;
-    without it only existence and sizes are. Raises FileNotFoundError (also a DataError) if
+    without it only existence and sizes are. The process counts as a reader of the cache while
+    the bundle lives (:mod:`remoe.data.cachelock`): a build with other settings is refused. Raises FileNotFoundError (also a DataError) if
     the cache is incomplete or its manifest malformed, ValueError if a file is corrupt (run
     ``prepare_data`` / ``remoe data`` to rebuild it).
     """
     cache = Path(cache_dir)
+    if not cache.is_dir():
+        raise DataNotFoundError(f"no complete data cache in {cache} (run `remoe data`)")
+    # under the cache's lock (not while a build is half done), and registered as a reader as
+    # long as the bundle lives: `remoe eval` / analyses reading it are not rebuilt under
+    with locked(cache) as writable:
+        bundle = _load_prepared_locked(cache, verify, seed)
+        fd = register_reader(cache) if writable else None
+        if fd is not None:
+            weakref.finalize(bundle, release_reader, fd)
+        return bundle
+
+
+def _load_prepared_locked(cache: Path, verify: bool, seed: int) -> DataBundle:
     manifest, why = read_manifest(cache)
     if manifest is None or "tokens" not in manifest:
         raise DataNotFoundError(f"no complete data cache in {cache}"
