@@ -188,10 +188,10 @@ def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
     assert _results_only(spec, tmp_path / "elsewhere") == 0
     md = (tmp_path / "committed" / "results.md").read_text()
     section = md[md.index("## Runs started from other runs' weights"):]
-    row = next(line for line in section.splitlines() if line.startswith("| `swap`"))
+    row = next(line for line in section.splitlines() if line.startswith("| `swap-s0`"))
     cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip("|"))]  # "\|": in a cell
     assert cells[1] == "`topk-s0`" and cells[2] == "5.000 → 5.000"
     assert cells[8] == r"0.0041 (gradient balance \|g_lm\| / \|g_reg\|)"
     # stub: 1000 FLOPs per step x model.num_experts (unset here: 1), 3 steps each
     assert float(cells[9]) == 2 * 3 * 1000
-    assert "| `topk`" not in section  # a run from scratch has no row
+    assert "\n| `topk-s0`" not in section  # a run from scratch has no row

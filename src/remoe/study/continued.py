@@ -120,7 +120,7 @@ def markdown_section(spec: StudySpec, rows: list[dict[str, Any]],
         first = c.get("first_eval")
         inact = (f"{c['inactive']} of {c['experts']}" if c.get("experts") is not None else "–")
         tot = total_flops(spec, r.name, flops_of)
-        body.append([f"`{r.label}`", f"`{r.init_of}`" if r.init_of else "–",
+        body.append([f"`{r.name}`", f"`{r.init_of}`" if r.init_of else "–",
                      f"{_fmt(src_lm, '.3f')} → {_fmt(c.get('first_lm_loss'), '.3f')}",
                      f"{_fmt(first[1])} (step {first[0]})" if first else "–",
                      _fmt(c.get("val_loss")), _fmt(c.get("steps_to_target"), "d"),
