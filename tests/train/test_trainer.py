@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from remoe.loading import latest_checkpoint
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.config import load_config
 from remoe.train.metrics import without_machine_keys as strip_timing
@@ -67,7 +68,7 @@ def test_keep_last_and_atomic_latest(make_overrides, tmp_path):
     Trainer(cfg, progress=False).train()
     root = tmp_path / "k" / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000005", "step_0000006"]
-    assert ckpt_io.latest_checkpoint(root).name == "step_0000006"
+    assert latest_checkpoint(root).name == "step_0000006"
     assert not list(root.glob(".*tmp*"))
     state = ckpt_io.load_trainer_state(root / "step_0000006")
     assert state["step"] == 6 and state["controller"]["steps"] == 6
@@ -82,7 +83,7 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(make_overrides, tmp_pat
         t.model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(TrainingDiverged, match="non-finite at step 2"):
         t.train_step()
-    assert ckpt_io.latest_checkpoint(tmp_path / "nan" / "checkpoints") == good
+    assert latest_checkpoint(tmp_path / "nan" / "checkpoints") == good
     w = load_file(str(good / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in w.values())
 

@@ -23,8 +23,6 @@ import torch
 import yaml
 
 from remoe import rundir
-# reading models moved to the neutral remoe.loading (eval and analysis use it); kept importable here
-from remoe.loading import latest_checkpoint, load_model, resolve_model_dir  # noqa: F401
 from remoe.errors import ConfigError
 
 LATEST = rundir.LATEST

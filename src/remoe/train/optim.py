@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from remoe.train import checkpoint as ckpt_io
+from remoe.loading import latest_checkpoint
 
 
 class TrainingDiverged(RuntimeError):
@@ -54,7 +54,7 @@ def clip_gradients_on_device(model: torch.nn.Module, clip: float, ep=None) -> to
 def _diverged(optimizer: torch.optim.Optimizer, what: str, ckpt_root: Path) -> TrainingDiverged:
     optimizer.zero_grad(set_to_none=True)
     return TrainingDiverged(f"{what}; stopping. Last good checkpoint: "
-                            f"{ckpt_io.latest_checkpoint(ckpt_root)}")
+                            f"{latest_checkpoint(ckpt_root)}")
 
 
 def check_finite_losses(optimizer: torch.optim.Optimizer, step: int, lm: float, reg: float,
