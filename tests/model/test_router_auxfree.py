@@ -8,7 +8,8 @@ import torch
 from remoe import ReMoEConfig, ReMoEForCausalLM, registry
 from remoe.errors import ConfigError
 from remoe.model.routers import RouterContext, TopKRouter
-from remoe.model.routers.topk_auxfree import AuxFreeTopKRouter, bias_update
+from remoe.model.routers.base import bias_update
+from remoe.model.routers.topk_auxfree import AuxFreeTopKRouter
 
 
 def _identity(router):

@@ -57,7 +57,7 @@ def test_options_resume_bit_exact(make_overrides, tmp_path, train_then_crash, op
 
 
 def test_balance_bias_follows_the_logged_loads(make_overrides, tmp_path):
-    from remoe.model.routers.topk_auxfree import bias_update
+    from remoe.model.routers.base import bias_update
 
     cfg = load_config(None, make_overrides(tmp_path, "bias", **BIAS))
     t = Trainer(cfg, progress=False)

@@ -101,3 +101,11 @@ class Router(nn.Module):
 
 def zero(x: Tensor) -> Tensor:
     return x.new_zeros((), dtype=torch.float32)
+
+
+def bias_update(load_N: Tensor, rate: float) -> Tensor:
+    """The centred sign step: ``+rate`` for under-loaded experts, ``-rate`` for over-loaded ones,
+    minus its mean (so the biases keep summing to what they summed to before)."""
+    load_N = load_N.to(torch.float64)
+    delta_N = rate * torch.sign(load_N.mean() - load_N)
+    return delta_N - delta_N.mean()

@@ -10,8 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from remoe.model.routers.base import Router, RouterContext, Routing, zero
-from remoe.model.routers.topk_auxfree import bias_update
+from remoe.model.routers.base import Router, RouterContext, Routing, bias_update, zero
 
 
 def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,

@@ -22,16 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.base import Router, RouterContext, Routing, bias_update, zero
 from remoe.model.routers.topk import topk_mask
-
-
-def bias_update(load_N: Tensor, rate: float) -> Tensor:
-    """The centred sign step: ``+rate`` for under-loaded experts, ``-rate`` for over-loaded ones,
-    minus its mean (so the biases keep summing to what they summed to before)."""
-    load_N = load_N.to(torch.float64)
-    delta_N = rate * torch.sign(load_N.mean() - load_N)
-    return delta_N - delta_N.mean()
 
 
 class AuxFreeTopKRouter(Router):
