@@ -195,3 +195,28 @@ def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
     # stub: 1000 FLOPs per step x model.num_experts (unset here: 1), 3 steps each
     assert float(cells[9]) == 2 * 3 * 1000
     assert "\n| `topk-s0`" not in section  # a run from scratch has no row
+
+
+def test_continued_run_whose_source_is_only_committed_is_skipped_with_the_reason(write_spec,
+                                                                               tmp_path):
+    # a new machine: the source run is committed (no weights), the continued run is not: it
+    # cannot start from a copy without a model, and says so instead of failing in remoe train
+    spec = write_spec({"results": "committed",
+                       "base": {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}},
+                       "groups": [
+                           {"name": "pre", "runs": [{"label": "topk", "set": {
+                               "model.preset": "micro", "model.router": "topk"}}]},
+                           {"name": "cont", "runs": [{"label": "swap", "init_from_run": "topk",
+                                                      "set": {"model.router": "relu"}}]}]})
+    out = tmp_path / "out"
+    assert Study(load_spec(spec), out, command=_stub, log=lambda m: None).run(poll_s=0.02) == 0
+    assert _results_only(spec, out) == 0
+    shutil.rmtree(out)
+    shutil.rmtree(tmp_path / "committed" / "runs" / "swap-s0")
+    logs = []
+    again = Study(load_spec(spec), tmp_path / "again", command=_stub, log=logs.append)
+    assert again.run(poll_s=0.02) == 1
+    text = "\n".join(logs)
+    assert ("skipped swap-s0: it starts from the weights of topk-s0, which is only a committed "
+            "copy here (no weights)") in text
+    assert not (tmp_path / "again" / "stub_calls.log").exists()

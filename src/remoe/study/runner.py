@@ -125,6 +125,11 @@ class Study:
 
         return latest_checkpoint(self.run_dir(r) / "checkpoints") is not None
 
+    def has_weights(self, r: RunSpec) -> bool:
+        """Whether ``r``'s run directory here holds a model (``final/`` or a checkpoint) that a
+        run with ``init_from_run`` can start from (a committed copy has none)."""
+        return (self.run_dir(r) / "final" / "config.json").is_file() or self.has_checkpoint(r)
+
     def match_flops(self, r: RunSpec) -> float | None:
         """The summed training FLOPs of the runs ``r`` matches (None: not all finished)."""
         if not r.match_of:
@@ -273,14 +278,18 @@ class Study:
                 for r in list(todo):
                     dep = next((by[d] for d in r.deps
                                 if self.states[d].state in ("failed", "skipped")), None)
+                    why = "did not finish"
+                    if dep is None and r.init_of and self.trained(by[r.init_of]) \
+                            and not self.has_weights(by[r.init_of]):
+                        dep, why = by[r.init_of], ("is only a committed copy here (no weights): "
+                                                   "delete that copy to train it again")
                     if dep is not None:
                         todo.remove(r)
                         st = self.states[r.name]
-                        st.state, st.message = "skipped", f"{dep.name} did not finish"
+                        st.state, st.message = "skipped", f"{dep.name} {why}"
                         how = ("starts from the weights of" if dep.name == r.init_of
                                else "matches the FLOPs of")
-                        self.log(f"  skipped {r.name}: it {how} {dep.name}, which did not "
-                                 "finish")
+                        self.log(f"  skipped {r.name}: it {how} {dep.name}, which {why}")
                         self.write_state("running")
                 while todo and len(running) < self.jobs:
                     ready = next((r for r in todo
