@@ -160,9 +160,10 @@ def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, veri
 
     With ``verify`` (default) every file is checked against the sha256 in the manifest;
     without it only existence and sizes are. The process counts as a reader of the cache while
-    the bundle lives (:mod:`remoe.data.cachelock`): a build with other settings is refused. Raises FileNotFoundError (also a DataError) if
-    the cache is incomplete or its manifest malformed, ValueError if a file is corrupt (run
-    ``prepare_data`` / ``remoe data`` to rebuild it).
+    the bundle lives (:mod:`remoe.data.cachelock`): a build with other settings is refused.
+    Raises FileNotFoundError (also a DataError) if the cache is incomplete or its manifest
+    malformed, ValueError if a file is corrupt (run ``prepare_data`` / ``remoe data`` to
+    rebuild it).
     """
     cache = Path(cache_dir)
     if not cache.is_dir():
