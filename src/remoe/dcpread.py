@@ -1,8 +1,8 @@
 """Reading sharded (DCP) checkpoints without running code from their files.
 
 ``torch.distributed.checkpoint`` reads ``dcp/.metadata`` with plain :mod:`pickle` and the
-non-tensor values of a state dict (optimizer hyper-parameters) with ``torch.load(...,
-weights_only=False)``: a crafted file runs code while it loads, and ``checksums.json`` is no
+non-tensor values of a state dict (optimizer hyper-parameters) with torch's full unpickler
+(``weights_only`` off): a crafted file runs code while it loads, and ``checksums.json`` is no
 defence (whoever can write the file can recompute the manifest). Every DCP read in remoe goes
 through this module instead:
 

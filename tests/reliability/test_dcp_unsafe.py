@@ -1,7 +1,7 @@
 """Sharded (DCP, ``train.fsdp=true``) checkpoints run no code from their files (issue 29 item 1).
 
 torch reads ``dcp/.metadata`` with plain pickle and the non-tensor values of a shard with
-``torch.load(weights_only=False)``; remoe reads both through :mod:`remoe.dcpread`. A crafted
+torch's full unpickler (``weights_only`` off); remoe reads both through :mod:`remoe.dcpread`. A crafted
 ``.metadata`` and a crafted shard value (``checksums.json`` recomputed, as anyone able to write
 the files can) give a one-line error, exit 2, and their payload never runs, on ``--resume`` and
 on ``remoe eval``; a genuine sharded checkpoint still resumes bit for bit and evaluates.

@@ -166,17 +166,22 @@ def test_overtime_windows_read_lambda_share_layers_and_dead_experts(tmp_path):
     assert ws[0]["dead"] == [0.0, 0.0] and ws[1]["dead"] == [0.0, 2.0]
 
 
-def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
-    # issue 26's recipes: a run started from another's weights gets a row with its source, the
-    # first lambda and its rule (init_from.json, committed with the run), and the FLOPs of the
-    # run plus its source's
-    spec = write_spec({"results": "committed",
+def _swap_spec(write_spec):
+    """A TopK run and a run continued from it with a ReLU router, committed under "committed"."""
+    return write_spec({"results": "committed",
                        "base": {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}},
                        "groups": [
                            {"name": "pre", "runs": [{"label": "topk", "set": {
                                "model.preset": "micro", "model.router": "topk"}}]},
                            {"name": "cont", "runs": [{"label": "swap", "init_from_run": "topk",
                                                       "set": {"model.router": "relu"}}]}]})
+
+
+def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
+    # issue 26's recipes: a run started from another's weights gets a row with its source, the
+    # first lambda and its rule (init_from.json, committed with the run), and the FLOPs of the
+    # run plus its source's
+    spec = _swap_spec(write_spec)
     out = tmp_path / "out"
     assert Study(load_spec(spec), out, command=_stub, log=lambda m: None).run(poll_s=0.02) == 0
     rec = {"init_from": str(out / "runs/topk-s0"), "lambda_start": [0.0041],
@@ -201,13 +206,7 @@ def test_continued_run_whose_source_is_only_committed_is_skipped_with_the_reason
                                                                                tmp_path):
     # a new machine: the source run is committed (no weights), the continued run is not: it
     # cannot start from a copy without a model, and says so instead of failing in remoe train
-    spec = write_spec({"results": "committed",
-                       "base": {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}},
-                       "groups": [
-                           {"name": "pre", "runs": [{"label": "topk", "set": {
-                               "model.preset": "micro", "model.router": "topk"}}]},
-                           {"name": "cont", "runs": [{"label": "swap", "init_from_run": "topk",
-                                                      "set": {"model.router": "relu"}}]}]})
+    spec = _swap_spec(write_spec)
     out = tmp_path / "out"
     assert Study(load_spec(spec), out, command=_stub, log=lambda m: None).run(poll_s=0.02) == 0
     assert _results_only(spec, out) == 0

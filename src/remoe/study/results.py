@@ -285,6 +285,8 @@ def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
 
 
 def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
+    from remoe.analysis.report_facts import adaptive_lambda  # the router declares it
+
     where = f"runs in `{out / 'runs'}`" + (
         f", finished runs' small outputs committed in `{_rel(spec.results_dir)}/runs`"
         if spec.results_dir else "")
@@ -302,7 +304,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                           if k.startswith("val_") and k != "val_loss"})
         zero_shot = list(dict.fromkeys(k for e in ges for r in e["rows"] for k in r
                                        if k.startswith("zs:")))
-        relu = any(r.get("target_sparsity") is not None and _adaptive(r.get("router"))
+        relu = any(r.get("target_sparsity") is not None and adaptive_lambda(r.get("router"))
                    for e in ges for r in e["rows"])
         lines += [f"## {group}", ""]
         numeric = NUMERIC
@@ -328,7 +330,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                                                                      "inactive from"]
             body = []
             for e in ges:
-                rs = [r for r in e["rows"] if _adaptive(r.get("router"))]
+                rs = [r for r in e["rows"] if adaptive_lambda(r.get("router"))]
                 if not rs:
                     continue
                 per_layer = [[float(x) for x in r["layer_sparsity"].split("/")]
@@ -398,13 +400,3 @@ def _rel(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
-
-
-def _adaptive(router: str | None) -> bool:
-    """Whether a row's router declares an adaptive lambda (unknown names: no)."""
-    from remoe import registry
-
-    try:
-        return bool(router) and bool(registry.declares(router, "uses_adaptive_reg"))
-    except Exception:  # a user router whose module this process has not imported
-        return False
