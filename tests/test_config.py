@@ -163,7 +163,8 @@ def test_config_is_composed_of_three_sections():
     assert (cfg.routing.num_experts, cfg.routing.top_k, cfg.moe_top_k) == (16, 4, 4)
     assert (cfg.control.lambda0, cfg.control.revive_after) == (1e-6, 3)
     assert cfg.target_sparsity == cfg.routing.target_sparsity == 0.75
-    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+             if f.metadata.get("flat", True)]  # router_options: stored flat by name
     assert len(names) == len(set(names)) == len(section_fields())
     flat = cfg.to_dict()
     for name in names:  # every field a top-level config.json key (k as moe_top_k)
@@ -173,22 +174,24 @@ def test_config_is_composed_of_three_sections():
                                 "revive_after": 3}) == cfg.spec
 
 
-def test_layer_config_takes_every_field_from_the_routing_section():
-    """moe_config() copies no field by hand: every MoE-layer field but the widths/init comes
-    from the routing section, so a new layer field cannot be silently left at its default."""
-    import dataclasses
-
+def test_layer_config_is_the_routing_section_itself():
+    """moe_config() copies no field: the MoE layer's config holds the routing section and reads
+    every routing field through it, so a new routing field cannot be left at a second default."""
     from remoe.model.moe import MoEConfig
-    from remoe.model_spec import RoutingConfig
 
-    layer = {f.name for f in dataclasses.fields(MoEConfig)} - {"d_model", "d_ffn", "init_std"}
-    assert layer <= {f.name for f in dataclasses.fields(RoutingConfig)}
     cfg = ReMoEConfig(**MICRO, router="topk", num_experts=6, top_k=2, lb_coeff=0.5,
                       granularity=2, init_std=0.01)
     m = cfg.moe_config()
+    assert m.routing == cfg.routing
     assert (m.d_model, m.d_ffn, m.init_std, m.num_experts, m.top_k, m.lb_coeff, m.granularity) \
         == (64, 256, 0.01, 6, 2, 0.5, 2)
     assert m.target_sparsity == cfg.target_sparsity
+    assert set(vars(m)) == {"d_model", "d_ffn", "init_std", "routing"}
+    kw = MoEConfig(d_model=64, d_ffn=256, init_std=0.01, router="topk", num_experts=6, top_k=2,
+                   lb_coeff=0.5, granularity=2)  # keywords build the same section
+    assert kw == m
+    with pytest.raises(ConfigError, match="unknown key model.num_expert "):
+        MoEConfig(d_model=64, d_ffn=256, num_expert=6)
 
 
 def test_old_config_json_without_newer_fields_loads(tmp_path):
@@ -304,3 +307,41 @@ def test_public_names_are_lazy_and_register_auto_classes():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.stdout.split() == ["True", "True"], done.stderr
+
+
+def test_every_routing_and_control_field_is_declared_once():
+    """Issue 27: a routing or sparsity-control field has one declaration with a default, in its
+    section dataclass. A class anywhere in remoe that declares the same name with a literal
+    default is a second definition (the MoE layer's config used to copy 24 of them), unless it
+    is listed here as a different quantity that shares the name."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from remoe.model_spec import RoutingConfig, SparsityControlConfig
+
+    other_quantities = {
+        ("TrainConfig", "warmup_steps"): "the learning-rate warm-up, not topk_warmup's",
+        ("RoutingStats", "top_k"): "a measured model's k, recorded with its statistics",
+        ("RoutingStats", "num_experts"): "ditto",
+        ("RoutingStats", "granularity"): "ditto",
+        ("FlipSeries", "num_experts"): "the N of recorded masks",
+    }
+    names = {f.name for cls in (RoutingConfig, SparsityControlConfig)
+             for f in dataclasses.fields(cls)}
+    src = Path(__file__).resolve().parents[1] / "src" / "remoe"
+    found: dict[str, list[str]] = {}
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) \
+                        and st.target.id in names and isinstance(st.value, ast.Constant) \
+                        and (node.name, st.target.id) not in other_quantities:
+                    found.setdefault(st.target.id, []).append(f"{path.name}:{node.name}")
+    twice = {k: v for k, v in found.items() if len(v) > 1}
+    assert not twice, twice
+    sections = {"RoutingConfig", "SparsityControlConfig"}
+    assert all(v[0].split(":")[1] in sections for v in found.values()), found
+    assert len(found) >= len(names) - 1  # router_options has no literal default

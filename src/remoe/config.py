@@ -18,11 +18,10 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from remoe import registry
-from remoe.errors import ConfigError
 from remoe.model_spec import (EXPERT_BACKENDS, LAMBDA_UPDATES, LORY_FIRST_SEGMENT, PRESETS,
                               REG_TYPES, ROUTERS, SPARSITY_CONTROLS, TOKEN_IDS, BackboneConfig,
                               ModelSpec, RoutingConfig, SparsityControlConfig, defaults,
-                              section_fields)
+                              field_types)
 
 __all__ = ["EXPERT_BACKENDS", "LAMBDA_UPDATES", "LORY_FIRST_SEGMENT", "PRESETS", "REG_TYPES",
            "ROUTERS", "SPARSITY_CONTROLS", "ModelSpec", "ReMoEConfig"]
@@ -49,8 +48,10 @@ class ReMoEConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache field, < 5.24 / 5.24 on
 
     def __init__(self, **kwargs: Any) -> None:
-        known = section_fields()
-        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in known or k == "moe_top_k"}
+        names = field_types(kwargs.get("router", RoutingConfig.router),
+                            kwargs.get("router_module"))
+        fields = {k: kwargs.pop(k) for k in list(kwargs)
+                  if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
         spec = ModelSpec.from_flat(fields)
         r = spec.routing
         # a router registered by a user module: recorded in config.json, so the saved model
@@ -87,7 +88,8 @@ class ReMoEConfig(PretrainedConfig):
     # the composition, read from the (possibly edited) flat attributes
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec.from_flat({k: getattr(self, _attr(k)) for k in section_fields()})
+        names = [k for k in field_types(self.router, self.router_module) if k not in TOKEN_IDS]
+        return ModelSpec.from_flat({k: getattr(self, _attr(k)) for k in names})
 
     @property
     def backbone(self) -> BackboneConfig:
@@ -112,7 +114,7 @@ class ReMoEConfig(PretrainedConfig):
 
     @property
     def target_sparsity(self) -> float:
-        """The sparsity ReMoE steers to: 1 - k/E (G does not change it)."""
+        """The sparsity ReMoE steers to (:attr:`RoutingConfig.target_sparsity`)."""
         return self.routing.target_sparsity
 
     @classmethod
@@ -124,19 +126,15 @@ class ReMoEConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ReMoEConfig":
-        if name not in PRESETS:
-            raise ConfigError(f"model.preset={name!r} must be one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(preset=name, **overrides)  # the spec expands it (ModelSpec.from_flat)
 
     def moe_config(self):
-        """The MoE layer's own config (:class:`remoe.model.moe.MoEConfig`): the routing fields
-        it declares, plus the widths and init of the backbone."""
+        """The MoE layer's config (:class:`remoe.model.moe.MoEConfig`): the routing section
+        itself, plus the widths and init of the backbone."""
         from remoe.model.moe import MoEConfig
 
-        layer_fields = {f.name for f in dataclasses.fields(MoEConfig)}
-        routing = {k: v for k, v in dataclasses.asdict(self.routing).items() if k in layer_fields}
         return MoEConfig(d_model=self.hidden_size, d_ffn=self.ffn_hidden_size,
-                         init_std=self.init_std, **routing)
+                         init_std=self.init_std, routing=self.routing)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (one line naming the field) on an impossible config."""

@@ -173,10 +173,51 @@ class RoutingConfig:
     # per token by sigmoid(x w_g) when shared_expert_gate (Qwen2-MoE)
     shared_expert_size: int = 0
     shared_expert_gate: bool = True
+    #: the options a user's router declares (``register_router(name, options=...)``): an
+    #: instance of its options dataclass, None for the built-ins. Stored flat in config.json.
+    router_options: Any = dataclasses.field(default=None, metadata={"flat": False})
+
+    @classmethod
+    def build(cls, fields: dict[str, Any], strict: bool = True) -> "RoutingConfig":
+        """The section from flat fields, a user router's options among them (its module is
+        imported first). Unknown keys raise ConfigError when ``strict``, else are ignored."""
+        own_names = {f.name for f in _flat_fields(cls)}
+        own = {k: v for k, v in fields.items() if k in own_names}
+        rest = {k: v for k, v in fields.items() if k not in own_names}
+        opts_cls = user_options_class(own.get("router", cls.router), own.get("router_module"))
+        opts = None
+        if opts_cls is not None:
+            names = {f.name for f in dataclasses.fields(opts_cls)}
+            opts = opts_cls(**{k: rest.pop(k) for k in list(rest) if k in names})
+        if strict and rest:
+            key = next(iter(rest))
+            allowed = [*section_fields(), *TOKEN_IDS,
+                       *(f.name for f in dataclasses.fields(opts_cls or _NoOptions))]
+            raise ConfigError(f"unknown key model.{key} (allowed: preset, {', '.join(allowed)})")
+        return cls(**own, router_options=opts)
+
+    def replace(self, **fields: Any) -> "RoutingConfig":
+        """A copy with some fields (a user router's options included) changed."""
+        return RoutingConfig.build({**self.flat(), **fields})
+
+    def flat(self) -> dict[str, Any]:
+        """Every field, one level: the section's own, then the user router's options."""
+        out = {f.name: getattr(self, f.name) for f in _flat_fields(self)}
+        if self.router_options is not None:
+            out.update(dataclasses.asdict(self.router_options))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when normal lookup fails: a user router's option (cfg.<its option>)
+        opts = self.__dict__.get("router_options")
+        if opts is not None and not name.startswith("__") and hasattr(opts, name):
+            return getattr(opts, name)
+        raise AttributeError(name)
 
     @property
     def target_sparsity(self) -> float:
-        """The sparsity ReMoE steers to: 1 - k/E (G does not change it)."""
+        """The sparsity ReMoE steers to: 1 - k/E (G does not change it). The one definition:
+        the model config, the MoE layer's config and the controller read it from here."""
         return 1.0 - self.top_k / self.num_experts
 
     def validate(self, p: str = "model.") -> None:
@@ -194,9 +235,11 @@ class RoutingConfig:
               f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
         _nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
                                   "blockffn_locality_coeff", "balance_bias_rate"), p)
-        _need(self.balance_bias_rate == 0 or self.router == "relu",
-              f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of the ReLU router, "
-              f"not {p}router={self.router!r} (topk_auxfree has bias_update_rate)")
+        # (the router's class is imported, torch with it, only when the option is set)
+        _need(self.balance_bias_rate == 0 or registry.declares(self.router, "balance_offsets"),
+              f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of routers with "
+              f"balancing offsets (relu), not {p}router={self.router!r} (topk_auxfree has "
+              "bias_update_rate)")
         _need(_int(self.max_active) and self.max_active >= 0,
               f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
         _need(isinstance(self.topk_normalize, bool),
@@ -217,6 +260,8 @@ class RoutingConfig:
         _need(v == 0 or registry.is_token_router(self.router),
               f"{p}shared_expert_size={v} needs a token router (an MoE layer), not "
               f"{p}router={self.router!r}")
+        if self.router_options is not None:
+            _check_options(self.router_options, p)
 
 
 @dataclass(frozen=True)
@@ -265,9 +310,70 @@ class SparsityControlConfig:
 SECTIONS = {"backbone": BackboneConfig, "routing": RoutingConfig, "control": SparsityControlConfig}
 
 
+def _flat_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls_or_obj) if f.metadata.get("flat", True)]
+
+
 def section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Every flat model field -> (its section, its dataclass field), in documentation order."""
-    return {f.name: (name, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    """Every flat model field -> (its section, its dataclass field), in documentation order
+    (a user router's options are not among them: :func:`field_types`)."""
+    return {f.name: (name, f) for name, cls in SECTIONS.items() for f in _flat_fields(cls)}
+
+
+@dataclass(frozen=True)
+class _NoOptions:
+    """The options of a router that declares none."""
+
+
+def user_options_class(router: Any, router_module: Any = None) -> type | None:
+    """The options dataclass a user's router declares (None for the built-ins, for a router
+    that declares none, and for a name nobody registered: validation names that one)."""
+    if not isinstance(router, str) or router in registry.BUILTINS:
+        return None
+    if router_module and router not in registry.names():
+        registry.import_modules([router_module], "model.router_module")
+    opts = registry.options_class(router) if router in registry.names() else None
+    if opts is not None:
+        taken = set(section_fields()) | set(TOKEN_IDS) | {"preset", "moe_top_k"}
+        clash = [f.name for f in dataclasses.fields(opts) if f.name in taken]
+        _need(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
+              "which is already a model field: rename the option")
+    return opts
+
+
+def field_types(router: Any = "relu", router_module: Any = None) -> dict[str, str]:
+    """Every flat model field -> its annotation, the options of ``router`` (a user router's,
+    imported from ``router_module`` if needed) and the token ids included."""
+    out = {name: str(f.type) for name, (_, f) in section_fields().items()}
+    opts = user_options_class(router, router_module)
+    if opts is not None:
+        out.update({f.name: _annotation(f) for f in dataclasses.fields(opts)})
+    return {**out, **{name: "int" for name in TOKEN_IDS}}
+
+
+def _annotation(f: dataclasses.Field) -> str:
+    """A field's annotation as text (``float``, ``int | None``): a string under
+    ``from __future__ import annotations``, a class or a union otherwise."""
+    t = f.type
+    return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
+
+
+_OPTION_TYPES = {"int": _int, "float": _real, "bool": lambda v: isinstance(v, bool),
+                 "str": lambda v: isinstance(v, str)}
+
+
+def _check_options(opts: Any, p: str) -> None:
+    """A user router's options: each value of its declared type, then the class's own
+    ``validate(prefix)`` if it has one (ConfigError naming the field either way)."""
+    for f in dataclasses.fields(opts):
+        v, t = getattr(opts, f.name), _annotation(f).replace(" ", "")
+        if v is None and t.endswith("|None"):
+            continue
+        ok = _OPTION_TYPES.get(t.removesuffix("|None"))
+        _need(ok is None or ok(v), f"{p}{f.name}={v!r} must be of type {t} (an option of "
+              f"{p}router's module)")
+    if callable(getattr(opts, "validate", None)):
+        opts.validate(p)
 
 
 def defaults() -> dict[str, Any]:
@@ -306,24 +412,28 @@ class ModelSpec:
         for key, value in fields.items():
             if key in known:
                 parts[known[key][0]][key] = value
-            elif strict and key not in TOKEN_IDS:
-                raise ConfigError(f"unknown key model.{key} (allowed: preset, "
-                                  f"{', '.join([*known, *TOKEN_IDS])})")
-        return cls(**{name: SECTIONS[name](**parts[name]) for name in SECTIONS})
+            elif key not in TOKEN_IDS:  # a user router's option, or unknown: build() decides
+                parts["routing"][key] = value
+        return cls(backbone=BackboneConfig(**parts["backbone"]),
+                   routing=RoutingConfig.build(parts["routing"], strict),
+                   control=SparsityControlConfig(**parts["control"]))
 
     def flat(self) -> dict[str, Any]:
-        """Every field of every section, one level (the YAML/config.json spelling but top_k)."""
-        out: dict[str, Any] = {}
-        for name in SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, name)))
+        """Every field of every section, one level (the YAML/config.json spelling but top_k),
+        a user router's options included."""
+        out = dataclasses.asdict(self.backbone)
+        out.update(self.routing.flat())
+        out.update(dataclasses.asdict(self.control))
         return out
 
     def __getattr__(self, name: str) -> Any:
         # only called when normal lookup fails: read through to the section holding the field
+        if name.startswith("__") or name in SECTIONS:
+            raise AttributeError(name)
         known = section_fields()
         if name in known:
             return getattr(object.__getattribute__(self, known[name][0]), name)
-        raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "routing"), name)  # a router's option
 
     @property
     def target_sparsity(self) -> float:

@@ -12,6 +12,7 @@ other module spells a router's name:
 ``expert_parallel``   ``train.expert_parallel`` can shard its experts
 ``uses_all_params``   every parameter gets a gradient every step (False: DDP must look for
                       unused ones)
+``balance_offsets``   ``model.balance_bias_rate`` applies (a per-expert offset in the gate)
 ==================== ====================================================================
 
 and a classmethod ``from_config(cfg: MoEConfig)``. A user's router registers itself with
@@ -23,6 +24,7 @@ imports nothing heavy and sits below every package.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -49,6 +51,7 @@ BUILTINS: dict[str, str] = {
 BUILTINS_WITH_CHECKS = frozenset({"topk_warmup", "blockffn", "lory"})
 
 _user: dict[str, type] = {}  # registered at import time by user modules (append-only)
+_options: dict[str, type] = {}  # a user router's options dataclass (register_router(options=))
 
 
 def names() -> tuple[str, ...]:
@@ -66,17 +69,40 @@ def _check_new(name: str, cls: type) -> None:
         raise TypeError(f"{cls.__name__} must define a classmethod from_config(cfg)")
 
 
-def register_router(name: str):
+def _check_options(name: str, options: type | None) -> None:
+    if options is None:
+        return
+    if not dataclasses.is_dataclass(options) or not isinstance(options, type):
+        raise TypeError(f"router {name!r}: options= must be a dataclass class")
+    for f in dataclasses.fields(options):  # (remoe.model_spec refuses names of model fields)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"router {name!r}: option {f.name!r} needs a default")
+
+
+def register_router(name: str, options: type | None = None):
     """Class decorator: make a :class:`~remoe.model.routers.Router` subclass (token router)
-    or an FFN-slot module available as ``model.router=name``."""
+    or an FFN-slot module available as ``model.router=name``.
+
+    ``options``: a dataclass of the router's own config fields, each with a default (and, if
+    it has one, a ``validate(prefix)`` method raising ConfigError). They become model fields
+    while this router is chosen (``--set model.<option>=...``, ``config.json``), are type-
+    checked like the built-ins' and reach the router as ``cfg.<option>`` in ``from_config``."""
 
     def deco(cls: type) -> type:
         _check_new(name, cls)
+        _check_options(name, options)
         cls.registry_name = name
         _user[name] = cls
+        if options is not None:
+            _options[name] = options
         return cls
 
     return deco
+
+
+def options_class(name: str) -> type | None:
+    """The options dataclass ``name`` was registered with (None: it declares none)."""
+    return _options.get(name)
 
 
 def resolve(name: str) -> type:

@@ -29,6 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from remoe import registry
+from remoe.model_spec import SparsityControlConfig
+
+_DEFAULT = SparsityControlConfig()
+
 UPDATE_RULES = ("sign", "pi")
 
 
@@ -42,13 +47,14 @@ def _finite(sparsity) -> float:
 @dataclass
 class LambdaController:
     target_sparsity: float  # 1 - k/E
-    lambda0: float = 1e-8
-    alpha: float = 1.2
+    # defaults: the model config's control section (remoe.model_spec), declared there once
+    lambda0: float = _DEFAULT.lambda0
+    alpha: float = _DEFAULT.alpha
     value: float | None = None  # current lambda_i (None -> lambda0)
     steps: int = 0  # number of updates applied
-    rule: str = "sign"  # "sign" (eq. 6) | "pi"
-    kp: float = 1.0  # pi: weight of the change in relative density error
-    ki: float = 1.0  # pi: weight of the relative density error
+    rule: str = _DEFAULT.lambda_update  # "sign" (eq. 6) | "pi"
+    kp: float = _DEFAULT.lambda_pi_kp  # pi: weight of the change in relative density error
+    ki: float = _DEFAULT.lambda_pi_ki  # pi: weight of the relative density error
     prev_error: float | None = None  # pi: e_{i-1}
 
     def __post_init__(self) -> None:
@@ -253,22 +259,19 @@ class SparsityControl:
 
 
 def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
-    """The sparsity control ``cfg`` (a ReMoEConfig) asks for; None for non-adaptive routers."""
-    if not cfg.uses_adaptive_reg:  # the router declares it (remoe.registry)
+    """The sparsity control of a model config (a ``ReMoEConfig`` or ``ModelSpec``): built from
+    its control section, steering to its routing section's target; None when the router does
+    not declare ``uses_adaptive_reg``."""
+    if not registry.declares(cfg.routing.router, "uses_adaptive_reg"):
         return None
+    c, target = cfg.control, cfg.routing.target_sparsity
 
     def one() -> LambdaController:
-        return LambdaController(cfg.target_sparsity, cfg.lambda0, cfg.alpha,
-                                rule=getattr(cfg, "lambda_update", "sign"),
-                                kp=getattr(cfg, "lambda_pi_kp", 1.0),
-                                ki=getattr(cfg, "lambda_pi_ki", 1.0))
+        return LambdaController(target, c.lambda0, c.alpha, rule=c.lambda_update,
+                                kp=c.lambda_pi_kp, ki=c.lambda_pi_ki)
 
-    if getattr(cfg, "sparsity_control", "global") == "per_layer":
-        lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)])
-    else:
-        lam = one()
-    after = getattr(cfg, "revive_after", 0)
-    revival = ExpertRevival(after, below=getattr(cfg, "revive_below", 0.0),
-                            until=getattr(cfg, "revive_until", 0.0),
-                            method=getattr(cfg, "revive_method", "hinge")) if after > 0 else None
+    lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)]) \
+        if c.sparsity_control == "per_layer" else one()
+    revival = ExpertRevival(c.revive_after, below=c.revive_below, until=c.revive_until,
+                            method=c.revive_method) if c.revive_after > 0 else None
     return SparsityControl(lam, revival)

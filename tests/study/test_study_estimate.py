@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -65,19 +64,25 @@ def test_estimate_is_the_trainers_count_and_dry_run_calibrates_on_finished_runs(
 
 
 def test_relu_stage_one_and_caps_in_the_pair_count():
-    mc = SimpleNamespace(is_moe=True, num_layers=2, num_experts=8, granularity=2, moe_top_k=1,
-                         router="relu", max_active=0, lambda0=1e-8, alpha=1.2)
-    n_dense = estimate.relu_dense_steps(mc)
+    from remoe.config import ReMoEConfig
+
+    def mc(**kw):
+        return ReMoEConfig.from_preset("micro", **kw)
+
+    relu = mc(num_experts=8, granularity=2, top_k=1, lambda0=1e-8, alpha=1.2)
+    n_dense = estimate.relu_dense_steps(relu)
     assert n_dense == math.ceil(math.log(estimate.RELU_LAMBDA_REF / 1e-8) / math.log(1.2))
-    assert estimate.pairs_per_token(mc, 0, n_dense) == 2 * 16 / 2  # N/2 open gates per layer
-    assert estimate.pairs_per_token(mc, n_dense, n_dense) == 2 * 2  # k*G after stage I
-    mc.max_active = 3
-    assert estimate.pairs_per_token(mc, 0, n_dense) == 2 * 3
-    mc.lambda0 = 1.0  # above the reference: no dense stage
-    assert estimate.relu_dense_steps(mc) == 0
-    ec = SimpleNamespace(is_moe=True, num_layers=1, num_experts=4, granularity=1, moe_top_k=2,
-                         router="expert_choice", capacity_factor=1.5)
-    assert estimate.pairs_per_token(ec) == 3.0
+    assert estimate.pairs_per_token(relu, 0, n_dense) == 2 * 16 / 2  # N/2 open gates per layer
+    assert estimate.pairs_per_token(relu, n_dense, n_dense) == 2 * 2  # k*G after stage I
+    capped = mc(num_experts=8, granularity=2, top_k=1, max_active=3)
+    assert estimate.pairs_per_token(capped, 0, n_dense) == 2 * 3
+    assert estimate.relu_dense_steps(mc(lambda0=1.0)) == 0  # above the reference: no stage I
+    assert estimate.relu_dense_steps(mc(router="topk")) == 0
+    ec = mc(num_experts=4, top_k=2, router="expert_choice", capacity_factor=1.5)
+    assert estimate.pairs_per_token(ec) == 2 * 3.0
+    warm = mc(router="topk_warmup", num_experts=8, warmup_k=6, warmup_steps=10)
+    assert estimate.pairs_per_token(warm, 3) == 2 * 6 and estimate.pairs_per_token(warm, 10) == 2
+    assert estimate.pairs_per_token(mc(router="dense")) == 0.0
 
 
 def test_achieved_rate_ignores_runs_without_time():

@@ -39,11 +39,21 @@ def test_a_user_router_trains_evaluates_and_analyses(tmp_path, tiny_data_cfg):
             "train.max_steps=4", "train.eval_every=0", "train.save_every=0",
             "analysis.record_masks_every=2", "analysis.calib_tokens=64", f"run.out_dir={tmp_path}",
             "run.name=mine", "train.num_threads=1"]
+    # the router's own option: type-checked, then its validate(), one line naming the field
+    for bad, why in (("abc", "model.bias_init='abc' must be of type float"),
+                     ("2.0", "model.bias_init=2.0 must be in [-1, 1]")):
+        p = subprocess.run([sys.executable, "-m", "remoe.cli", "train", "--no-progress"]
+                           + [f"--set={s}" for s in [*sets, f"model.bias_init={bad}"]],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        assert p.returncode == 2 and why in p.stderr and len(p.stderr.strip().splitlines()) == 1, \
+            p.stderr[-2000:]
+        assert not (tmp_path / "mine").exists()  # refused before any work
     _run([sys.executable, "-m", "remoe.cli", "train", "--no-progress"]
-         + [f"--set={s}" for s in sets], env, tmp_path)
+         + [f"--set={s}" for s in [*sets, "model.bias_init=0.25"]], env, tmp_path)
     run = tmp_path / "mine"
     cfg = json.loads((run / "final" / "config.json").read_text())
     assert cfg["router"] == "relu_bias" and cfg["router_module"] == "my_routers"
+    assert cfg["bias_init"] == 0.25  # stored flat beside the built-in fields
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     # the router declared uses_adaptive_reg: the lambda controller steered it (eq. 6)
     assert recs[1]["lambda"] != recs[0]["lambda"] and recs[-1]["reg_loss"] > 0
@@ -52,6 +62,11 @@ def test_a_user_router_trains_evaluates_and_analyses(tmp_path, tiny_data_cfg):
     with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:
         assert any(k.endswith("router.bias") for k in f.keys())  # the user's parameter is saved
     _run([sys.executable, "-m", "remoe.cli", "eval", str(run), "--tasks", "none"], env, tmp_path)
+    check = ("import my_routers, torch; from remoe import ReMoEConfig, ReMoEForCausalLM; "
+             f"m = ReMoEForCausalLM(ReMoEConfig.from_pretrained({str(run / 'final')!r})); "
+             "r = m.layers[0].ffn.router; print(m.config.bias_init, r.bias.tolist()[0])")
+    out = _run([sys.executable, "-c", check], env, tmp_path).stdout.split()
+    assert out == ["0.25", "0.25"]  # from_config read the option from the loaded config
     _run([sys.executable, "-m", "remoe.cli", "analyze", "stages", str(run)], env, tmp_path)
     _run([sys.executable, "-m", "remoe.cli", "bench", "--quick", "--suite", "layer",
              "--rows", "dense", "relu_bias", "--router-module", "my_routers", "--no-memory",

@@ -160,7 +160,7 @@ class Run:
     def model_config(self):
         """The run's :class:`ReMoEConfig`: from a saved ``config.json`` (final/ or the latest
         checkpoint), else rebuilt from ``config.yaml``'s model section; None if neither."""
-        from remoe.config import PRESETS, ReMoEConfig
+        from remoe.config import ReMoEConfig
         from remoe.loading import resolve_model_dir
 
         try:
@@ -170,9 +170,8 @@ class Run:
         fields = dict(self.config.get("model") or {})
         if not fields:
             return None
-        preset = fields.pop("preset", None)
         try:
-            return ReMoEConfig(**{**PRESETS.get(preset, {}), **fields})
+            return ReMoEConfig(**fields)  # a preset key is expanded by the model spec
         except (ConfigError, TypeError):
             return None
 

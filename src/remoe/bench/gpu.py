@@ -133,7 +133,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
             if router == "relu":  # the sparse stage III, as the CPU model suite forces it
                 ids = t.sampler.batch(0, 0, 0)[0].to(t.device)
                 with t._autocast():
-                    force_model_density(t.model, ids, 1.0 - t.model_cfg.moe_config().target_sparsity)
+                    force_model_density(t.model, ids, 1.0 - t.model_cfg.target_sparsity)
             for _ in range(warmup):
                 t.train_step()
             if device.type == "cuda":

@@ -28,7 +28,7 @@ from remoe.config import ReMoEConfig
 from remoe.model.llama import ReMoEForCausalLM
 from remoe.model.moe import MoELayer
 from remoe.losses import step_statistics, total_loss
-from remoe.sparsity import LambdaController
+from remoe.sparsity import build_controller
 from remoe.train.optim import clip_gradients
 
 ROWS = ("dense", "topk", "relu")
@@ -75,9 +75,9 @@ def force_model_density(model: ReMoEForCausalLM, ids: torch.Tensor, density: flo
         force_relu_density(layer, seen["x"], density)
 
 
-def _train_step(model, opt, ids, lam: float, step: int):
+def _train_step(model, opt, ids, lam: float, step: int, layer_lams: list[float] | None = None):
     out = model(ids, labels=ids, train_step=step)
-    loss = total_loss(out, lam)  # the trainer's objective and clipping
+    loss = total_loss(out, lam, layer_lams)  # the trainer's objective and clipping
     loss.backward()
     clip_gradients(model, 1.0)
     opt.step()
@@ -96,9 +96,9 @@ def throughput(rows=ROWS, batch: int = 8, seq: int = 256, reps: int = 8, preset:
     ids = next(markov_batches(ReMoEConfig.from_preset(preset).vocab_size, batch, seq, seed=1))
     models, opts, sparsity = {}, {}, {}
     for r in rows:
-        m = build_model("relu" if r.startswith("relu") else r, preset, **overrides)
-        if r == "relu":
-            force_model_density(m, ids, 1.0 - m.config.moe_config().target_sparsity)
+        m = build_model(r, preset, **overrides)  # a row: a router name
+        if m.config.uses_adaptive_reg:  # data-dependent sparsity: forced to its stage-III target
+            force_model_density(m, ids, 1.0 - m.config.target_sparsity)
         models[r] = m
         # lr=0: the full AdamW update is computed but leaves the weights (and so the forced
         # routing) unchanged across the timed steps
@@ -158,8 +158,8 @@ def stages(max_steps: int = 150, settle_margin: float = 0.02, extra_after_settle
     relu = build_model("relu", preset, **overrides)
     topk = build_model("topk", preset, **overrides)
     c = relu.config
-    target = c.moe_config().target_sparsity
-    ctl = LambdaController(target, lambda0=c.lambda0, alpha=c.alpha)
+    target = c.target_sparsity
+    ctl = build_controller(c, c.num_layers)  # the config's own sparsity control
     opt_r = torch.optim.AdamW(relu.parameters(), lr=lr, weight_decay=0.1)
     opt_t = torch.optim.AdamW(topk.parameters(), lr=lr, weight_decay=0.1)
     data = markov_batches(c.vocab_size, batch, seq, seed=2)
@@ -168,11 +168,11 @@ def stages(max_steps: int = 150, settle_margin: float = 0.02, extra_after_settle
     for i in range(max_steps):
         ids = next(data)
         c0, t0 = time.process_time(), time.perf_counter()
-        out = _train_step(relu, opt_r, ids, ctl.coeff, i)
+        out = _train_step(relu, opt_r, ids, ctl.coeff, i, ctl.layer_coeffs)
         t1, c1 = time.perf_counter(), time.process_time()
-        s = _sparsity(out)
-        lam = ctl.coeff
-        ctl.update(s)
+        st = step_statistics(out.aux.active_counts_LN, out.aux.num_tokens)
+        s, lam = st.sparsity, ctl.coeff
+        ctl.update(s, st.layer_sparsity, out.aux.active_counts_LN, out.aux.num_tokens)
         c2, t2 = time.process_time(), time.perf_counter()
         _train_step(topk, opt_t, ids, 0.0, i)
         t3, c3 = time.perf_counter(), time.process_time()
@@ -215,7 +215,7 @@ def memory(batch: int = 8, seq: int = 256, preset: str = "tiny", **overrides) ->
         res = {"recompute_experts": recompute}
         for phase in ("dense", "sparse"):
             m = build_model("relu", preset, recompute=recompute, **overrides)
-            density = 1.0 if phase == "dense" else 1.0 - m.config.moe_config().target_sparsity
+            density = 1.0 if phase == "dense" else 1.0 - m.config.target_sparsity
             force_model_density(m, ids, density)
 
             def step():

@@ -339,6 +339,8 @@ def _held(lock):
 
 def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
           args: argparse.Namespace, device: str) -> tuple[dict[str, Any] | None, str | None]:
+    from tqdm.auto import tqdm
+
     from remoe.losses import evaluate_loss
 
     if bundle is None:
@@ -354,6 +356,9 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
     seq_len = min(int(seq_len), model.config.max_position_embeddings)
     batches = bundle.eval_batches(args.split, seq_len=seq_len, batch_size=args.batch_size,
                                   max_chunks_per_domain=args.loss_chunks)
+    # a progress line while the (minutes-long) whole-split pass runs; only on a terminal
+    batches = tqdm(batches, desc=f"{e['name']}: {args.split} loss", unit=" batches",
+                   disable=None, leave=False)
     res = evaluate_loss(model, batches, list(bundle.domains), device=device)
     res.update(split=args.split, seq_len=seq_len, data_cache=str(bundle.cache_dir))
     if not res["tokens"]:

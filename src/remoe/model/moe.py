@@ -21,39 +21,41 @@ from remoe.model import dispatch
 from remoe.model.experts import SwiGLU, SwiGLUExperts
 from remoe.model.routers import RouterContext, build_router
 from remoe.model.shared_expert import build_shared_expert
+from remoe.model_spec import RoutingConfig
 
 
-@dataclass
 class MoEConfig:
-    """Config of one FFN slot: dense, dense x E, or an MoE layer with any router."""
+    """Config of one FFN slot: the widths it gets from the backbone, plus the routing section.
 
-    d_model: int
-    d_ffn: int  # width of the dense FFN an expert replaces (each expert: d_ffn / granularity)
-    num_experts: int = 8  # E
-    top_k: int = 1  # k (k*G experts active; ReLU: target sparsity 1 - k/E)
-    granularity: int = 1  # G
-    router: str = "relu"
-    reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
-    lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
-    revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge (when asked for)
-    max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
-    balance_bias_rate: float = 0.0  # ReLU: step of the per-expert balancing offset (0: off)
-    gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
-    topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
-    capacity_factor: float = 1.0  # expert choice
-    lory_segment_len: int = 256
-    lory_first_segment: str = "uniform"  # "uniform" (causal) | "self" (Lory's Algorithm 1)
-    warmup_k: int = 6
-    warmup_steps: int = 100
-    sparsemixer_jitter: float = 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
-    bias_update_rate: float = 1e-3  # topk_auxfree: expert-bias step per optimizer step
-    blockffn_locality_coeff: float = 2e-3  # blockffn: weight of the activation-locality loss
-    blockffn_chunk_len: int = 64  # blockffn: tokens per chunk of the chunk-sparsification loss
-    expert_backend: str = "auto"  # auto | fused | grouped_mm | reference | measured (opt-in)
-    recompute_experts: bool = False
-    init_std: float = 0.02
-    shared_expert_size: int = 0  # S > 0: a shared SwiGLU for every token (model.shared_expert)
-    shared_expert_gate: bool = True  # ... scaled per token by sigmoid(x w_g) (Qwen2-MoE)
+    The routing fields (router, E, k, G, each router's options) are declared once, in
+    :class:`~remoe.model_spec.RoutingConfig`; this class only adds what the slot needs from the
+    backbone, and reads every routing field through (``cfg.num_experts``). Built from keywords
+    (``MoEConfig(d_model=512, d_ffn=2048, num_experts=8, top_k=1)``), or from a section
+    (``MoEConfig(d_model, d_ffn, routing=spec.routing)``)."""
+
+    def __init__(self, d_model: int, d_ffn: int, init_std: float = 0.02,
+                 routing: RoutingConfig | None = None, **routing_fields) -> None:
+        # d_ffn: the width of the dense FFN an expert replaces (each expert: d_ffn / G)
+        if routing is None:
+            routing = RoutingConfig.build(routing_fields)
+        elif routing_fields:
+            routing = routing.replace(**routing_fields)
+        self.d_model, self.d_ffn, self.init_std, self.routing = d_model, d_ffn, init_std, routing
+
+    def __getattr__(self, name: str):
+        # only called when normal lookup fails: a routing field (or a user router's option)
+        if name == "routing":
+            raise AttributeError(name)
+        return getattr(self.routing, name)
+
+    def __repr__(self) -> str:
+        return (f"MoEConfig(d_model={self.d_model}, d_ffn={self.d_ffn}, "
+                f"init_std={self.init_std}, routing={self.routing!r})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MoEConfig) and \
+            (self.d_model, self.d_ffn, self.init_std, self.routing) == \
+            (other.d_model, other.d_ffn, other.init_std, other.routing)
 
     @property
     def num_routed(self) -> int:
@@ -62,10 +64,6 @@ class MoEConfig:
     @property
     def d_expert(self) -> int:
         return self.d_ffn // self.granularity
-
-    @property
-    def target_sparsity(self) -> float:
-        return 1.0 - self.top_k / self.num_experts
 
 
 @dataclass
@@ -136,6 +134,7 @@ class DenseFFN(nn.Module):
     has_router_weights = False
     expert_parallel = False
     uses_all_params = True
+    balance_offsets = False
 
     @classmethod
     def width(cls, cfg) -> int:

@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from remoe import registry
+
 #: lambda at which a ReLU run's stage I (about N/2 experts per token) is taken to end; see above.
 RELU_LAMBDA_REF = 1.9e-4
 #: Achieved training FLOP/s per CPU second / the one-thread GEMM probe. Calibrated against a
@@ -66,25 +68,23 @@ def _model_cfg(exp) -> Any:
 
 def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:
     """Active (token, expert) pairs per token summed over layers, as the trainer would count
-    them at ``step`` (None: after every warm-up / stage I)."""
+    them at ``step`` (None: after every warm-up / stage I): the router's own
+    ``expected_pairs`` (FFN kinds without one: k*G)."""
     if not mc.is_moe:
         return 0.0
-    L, N, K = mc.num_layers, mc.num_experts * mc.granularity, mc.moe_top_k * mc.granularity
-    r = mc.router
-    if r == "relu" and step is not None and step < steps_dense:
-        cap = getattr(mc, "max_active", 0)  # a cap on experts per token bounds stage I
-        return L * (min(N / 2.0, cap) if cap else N / 2.0)
-    if r == "topk_warmup" and step is not None and step < mc.warmup_steps:
-        return L * mc.warmup_k * mc.granularity
-    if r == "expert_choice":
-        return L * K * mc.capacity_factor
-    return float(L * K)
+    r = mc.routing
+    expected = getattr(registry.resolve(r.router), "expected_pairs", None)
+    per_layer = expected(r, step, steps_dense) if expected else r.top_k * r.granularity
+    return float(mc.num_layers * per_layer)
 
 
 def relu_dense_steps(mc) -> int:
-    if mc.router != "relu":
+    """Estimated steps of stage I for a router under the adaptive lambda: lambda climbs from
+    lambda0 to :data:`RELU_LAMBDA_REF` by alpha per step (0 for every other router)."""
+    if not registry.declares(mc.routing.router, "uses_adaptive_reg"):
         return 0
-    return max(0, math.ceil(math.log(RELU_LAMBDA_REF / mc.lambda0) / math.log(mc.alpha)))
+    c = mc.control
+    return max(0, math.ceil(math.log(RELU_LAMBDA_REF / c.lambda0) / math.log(c.alpha)))
 
 
 def _step_flops(mc, counter, tokens: int, pairs_per_tok: float) -> float:

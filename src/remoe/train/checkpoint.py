@@ -13,7 +13,6 @@ checkpoint's name, and ``--resume`` takes the newest checkpoint whose files veri
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 from pathlib import Path
@@ -101,14 +100,18 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- config changes
 
 def _model_fields(section: dict[str, Any]) -> dict[str, Any]:
-    """A config's model section resolved: ReMoEConfig defaults < preset < explicit fields."""
-    from remoe.config import PRESETS, ReMoEConfig
+    """A config's model section resolved by the model spec (defaults < preset < explicit
+    fields); a section the spec cannot read is compared as written."""
+    from remoe.model_spec import ModelSpec, defaults
 
     fields = dict(section or {})
-    preset = fields.pop("preset", None)
-    defaults = {n: p.default for n, p in inspect.signature(ReMoEConfig.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    return {**defaults, **(PRESETS.get(preset, {}) if preset else {}), **fields}
+    try:
+        resolved = ModelSpec.from_flat(fields, strict=False).flat()
+    except (ConfigError, TypeError, ValueError):
+        resolved = {}
+    spelled = {"preset", "moe_top_k"}  # resolved into the fields they stand for
+    return {**defaults(), **resolved,
+            **{k: v for k, v in fields.items() if k not in resolved and k not in spelled}}
 
 
 def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from remoe.errors import ConfigError
-from remoe.model_spec import PRESETS, TOKEN_IDS, ModelSpec, section_fields
+from remoe.model_spec import PRESETS, ModelSpec, RoutingConfig, field_types
 
 if TYPE_CHECKING:
     from remoe.config import ReMoEConfig
@@ -177,12 +177,10 @@ class ExperimentConfig:
         return Path(self.run.out_dir) / self.run.name
 
     def _model_fields(self, vocab_size: int | None, extra: dict[str, Any]) -> dict[str, Any]:
-        fields = dict(self.model)
-        preset = fields.pop("preset", None)
-        base = dict(PRESETS[preset]) if preset else {}
+        fields = dict(self.model)  # a preset stays a key: the model spec expands it
         if vocab_size is not None and "vocab_size" not in fields:
             fields["vocab_size"] = vocab_size
-        return {**base, **fields, **extra}
+        return {**fields, **extra}
 
     def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
         """The model's three sections (no torch/transformers; validated by :func:`load_config`)."""
@@ -267,22 +265,18 @@ def _build(cls, values: dict[str, Any], section: str):
     return obj
 
 
-def _model_annotation(key: str) -> str:
-    """The type a model field takes: its section dataclass's annotation."""
-    return "int" if key in TOKEN_IDS else str(section_fields()[key][1].type)
-
-
 def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
     _check(isinstance(values, dict), f"model must be a mapping, got {values!r}")
-    allowed = [*section_fields(), *TOKEN_IDS]
+    # every model field's type; a user router's options too (its module is imported for them)
+    types = field_types(values.get("router", RoutingConfig.router), values.get("router_module"))
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key == "preset":
             _check(value in PRESETS, f"model.preset={value!r} must be one of {', '.join(PRESETS)}")
             out[key] = value
             continue
-        _check(key in allowed, f"unknown key model.{key} (allowed: preset, {', '.join(allowed)})")
-        out[key] = _coerce(value, _model_annotation(key), f"model.{key}")
+        _check(key in types, f"unknown key model.{key} (allowed: preset, {', '.join(types)})")
+        out[key] = _coerce(value, types[key], f"model.{key}")
     return out
 
 

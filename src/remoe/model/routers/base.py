@@ -62,6 +62,8 @@ class Router(nn.Module):
     expert_parallel: bool = True
     #: every parameter gets a gradient in every step (False: DDP looks for unused ones)
     uses_all_params: bool = True
+    #: ``model.balance_bias_rate`` moves a per-expert offset inside its gate (ReLU(x W + b))
+    balance_offsets: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "Router":
@@ -71,6 +73,14 @@ class Router(nn.Module):
     @classmethod
     def validate_config(cls, cfg, prefix: str = "model.") -> None:
         """Extra config checks of this router (ConfigError naming the field); none by default."""
+
+    @classmethod
+    def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
+        """(token, expert) pairs per token and layer this router is expected to route at
+        optimizer step ``step`` (None: after every warm-up), for cost estimates made before a
+        run (``remoe study --dry-run``). ``cfg``: the routing section; ``dense_steps``: the
+        estimated length of stage I for routers under the adaptive lambda. Default: k*G."""
+        return float(cfg.top_k * cfg.granularity)
 
     @classmethod
     def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:

@@ -60,6 +60,10 @@ class ExpertChoiceRouter(Router):
         self.capacity_factor = float(capacity_factor)
 
     @classmethod
+    def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
+        return float(cfg.top_k * cfg.granularity * cfg.capacity_factor)  # each expert's capacity
+
+    @classmethod
     def from_config(cls, cfg) -> "ExpertChoiceRouter":
         return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
                    cfg.capacity_factor, init_std=cfg.init_std)

@@ -66,6 +66,7 @@ class ReLURouter(Router):
     """
 
     uses_adaptive_reg = True
+    balance_offsets = True
 
     def __init__(self, d_model: int, num_experts: int, target_density: float,
                  load_balance: bool = True, init_std: float = 0.02, max_active: int = 0,
@@ -82,6 +83,15 @@ class ReLURouter(Router):
         if self.balance_bias_rate > 0:  # off: no buffer, the paper's state dict
             self.register_buffer("expert_bias_N", torch.zeros(num_experts, dtype=torch.float32),
                                  persistent=True)
+
+    @classmethod
+    def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
+        if step is not None and step < dense_steps:
+            # stage I: a ReLU gate of a zero-mean logit is open half of the time (N/2 experts
+            # per token), bounded by the cap on experts per token when there is one
+            n = cfg.num_experts * cfg.granularity / 2.0
+            return float(min(n, cfg.max_active)) if cfg.max_active else n
+        return super().expected_pairs(cfg, step, dense_steps)
 
     @classmethod
     def from_config(cls, cfg) -> "ReLURouter":

@@ -79,6 +79,12 @@ class TopKWarmupRouter(TopKRouter):
     the first ``warmup_steps`` optimizer steps, then k x G)."""
 
     @classmethod
+    def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
+        if step is not None and step < cfg.warmup_steps:
+            return float(cfg.warmup_k * cfg.granularity)
+        return super().expected_pairs(cfg, step, dense_steps)
+
+    @classmethod
     def from_config(cls, cfg) -> "TopKWarmupRouter":
         G = cfg.granularity
         return cls(cfg.d_model, cfg.num_experts * G, cfg.top_k * G, cfg.lb_coeff,
