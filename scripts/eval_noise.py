@@ -30,7 +30,7 @@ def chunk_losses(run: Path, cache: Path | None) -> tuple[np.ndarray, np.ndarray,
 
     from remoe.data import load_prepared
     from remoe.data.sampler import eval_chunk_indices
-    from remoe.loading import load_model
+    from remoe.rundir.loading import load_model
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     seq_len = int(cfg["train"]["seq_len"])

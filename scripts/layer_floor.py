@@ -30,10 +30,10 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from remoe import allocator
+from remoe.machine import allocator
 from remoe.bench.common import loadavg, machine_info, spread, time_interleaved
 from remoe.bench.layer import LayerCase, build_rows, step_fn
-from remoe.model.experts import fused_rows
+from remoe.model.fused_cpu import fused_rows
 
 
 def pieces(case: LayerCase, seed: int = 0) -> dict:

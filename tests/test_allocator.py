@@ -1,4 +1,4 @@
-"""remoe.allocator: modes, errors, and that ``retain`` really keeps freed large blocks.
+"""remoe.machine.allocator: modes, errors, and that ``retain`` really keeps freed large blocks.
 
 The allocator checks run in a subprocess: mallopt changes the whole process.
 """
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from remoe import allocator
+from remoe.machine import allocator
 from remoe.errors import ConfigError
 
 PROBE = r"""
 import sys
-from remoe import allocator
+from remoe.machine import allocator
 desc = allocator.configure(sys.argv[1])
 import torch
 

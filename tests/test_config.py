@@ -156,7 +156,7 @@ def test_config_is_composed_of_three_sections():
     back; each flat field lives in exactly one section; config.json stays flat."""
     import dataclasses
 
-    from remoe.model_spec import SECTIONS, ModelSpec, section_fields
+    from remoe.model.spec import SECTIONS, ModelSpec, section_fields
 
     cfg = ReMoEConfig(**MICRO, num_experts=16, top_k=4, lambda0=1e-6, revive_after=3)
     assert cfg.backbone.hidden_size == 64 and cfg.backbone.ffn_hidden_size == 256
@@ -212,8 +212,8 @@ def test_old_config_json_without_newer_fields_loads(tmp_path):
                                           ("lambda_update", "pid"), ("init_std", 0.0)])
 def test_one_validation_for_python_yaml_and_spec(field, value):
     """The same one-line message from ReMoEConfig, the YAML loader and the spec itself."""
-    from remoe.model_spec import ModelSpec
-    from remoe.train.config import load_config
+    from remoe.model.spec import ModelSpec
+    from remoe.experiment import load_config
 
     msgs = []
     for make in (lambda: ReMoEConfig(**{**PRESETS["tiny"], field: value}),
@@ -226,7 +226,7 @@ def test_one_validation_for_python_yaml_and_spec(field, value):
 
 
 def test_yaml_model_section_keeps_its_keys():
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
 
     cfg = load_config(None, ["model.lambda0=1e-7", "model.alpha=1.3", "model.top_k=2",
                              "model.eos_token_id=3"])
@@ -246,7 +246,7 @@ def test_registry_knows_which_builtins_add_config_checks():
     import inspect
     import textwrap
 
-    from remoe import registry
+    from remoe.model import registry
 
     def checks_something(cls) -> bool:  # the hook's body is more than a docstring / pass
         src = textwrap.dedent(inspect.getsource(cls.validate_config.__func__))
@@ -318,7 +318,7 @@ def test_every_routing_and_control_field_is_declared_once():
     import dataclasses
     from pathlib import Path
 
-    from remoe.model_spec import RoutingConfig, SparsityControlConfig
+    from remoe.model.spec import RoutingConfig, SparsityControlConfig
 
     other_quantities = {
         ("TrainConfig", "warmup_steps"): "the learning-rate warm-up, not topk_warmup's",

@@ -1,45 +1,195 @@
-"""No package imports upward (issue 13): the run-directory reading, stage detection and the
-losses live in neutral modules, so train, eval and analysis never import each other."""
+"""The package layout is the architecture (issues 13, 27): every group of modules imports only
+the groups below it, no module imports a module that imports it back, no package reaches into
+another's private names, and no module outside the model spells a router's name to decide
+something (routers declare what they do; remoe.model.registry reads the declarations).
+
+Imports inside functions count (they run too); imports under ``if TYPE_CHECKING:`` do not.
+"""
 
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "remoe"
 
-# package -> packages it must never import (at module level or inside functions)
-FORBIDDEN = {
-    "train": ("remoe.eval", "remoe.analysis", "remoe.study", "remoe.bench"),
-    "eval": ("remoe.train", "remoe.analysis", "remoe.study", "remoe.bench"),
-    "analysis": ("remoe.train", "remoe.eval", "remoe.study", "remoe.bench"),
-    "model": ("remoe.train", "remoe.eval", "remoe.analysis", "remoe.data", "remoe.study",
-              "remoe.bench"),
+#: group -> the groups its modules may import (besides their own). A group is a package
+#: (``remoe.model``) or a top-level module (``remoe.errors``). Commands sit on top: each
+#: package's ``cli.py`` and ``remoe/cli.py`` may import anything.
+ALLOWED = {
+    "errors": set(),
+    "safeyaml": {"errors"},
+    "model": {"errors"},  # everything a saved model needs, its bundled code included
+    "machine": {"errors"},
+    "method": {"errors", "model"},
+    "data": {"errors", "safeyaml"},
+    "experiment": {"errors", "safeyaml", "model", "data"},
+    "rundir": {"errors", "model", "data", "experiment"},
+    "distributed": {"errors", "model", "rundir"},
+    "convert": {"errors", "model", "rundir"},
+    "eval": {"errors", "model", "method", "data", "rundir", "machine"},
+    "analysis": {"errors", "model", "method", "data", "rundir", "machine"},
+    "train": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
+              "distributed", "convert"},
+    "hf": {"errors", "model", "method", "data", "experiment", "rundir", "train"},
+    # (bench/scale.py's torchrun worker runs the `remoe train` command: "cli")
+    "bench": {"errors", "model", "machine", "method", "data", "experiment", "rundir",
+              "distributed", "train", "cli"},
+    "study": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
+              "analysis", "bench", "train"},
+    "__init__": {"errors", "model", "method"},  # `import remoe`: lazy public names
 }
-# neutral low modules: nothing above the model and data
-LOW = {"errors.py", "registry.py", "rundir.py", "runlock.py", "runfiles.py", "loading.py",
-       "dcpread.py",
-       "stages.py", "losses.py", "sparsity.py", "threads.py", "config.py"}
-ABOVE = ("remoe.train", "remoe.eval", "remoe.analysis", "remoe.study", "remoe.bench", "remoe.cli")
+#: modules that name routers because that is their subject: the converters write a `topk` or
+#: `relu` model and upcycle a `dense` one, the router swap turns softmax weights into ReLU ones,
+#: the benchmarks' rows are named methods
+NAMES_ALLOWED = {"convert/from_hf.py", "convert/upcycle.py", "train/init_from.py",
+                 "bench/layer.py", "bench/gpu.py", "bench/memory_plan.py", "bench/model.py"}
 
 
-def imports(path: Path) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+def _group(path: Path) -> str:
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def _is_command(path: Path) -> bool:
+    return path.name == "cli.py"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _exists(name: str) -> bool:
+    base = SRC.parent.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every remoe import of ``path`` (``from remoe.x import y`` with
+    ``remoe.x.y`` a module counts as an import of that module)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "remoe":
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            mods = [s for s in subs if _exists(s)]
+            plain = [a.name for a, s in zip(node.names, subs) if not _exists(s)]
+            out += [(m, []) for m in mods]
+            if plain or not mods:
+                out.append((node.module, plain))
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            out += [(a.name, []) for a in node.names if a.name.split(".")[0] == "remoe"]
     return out
 
 
-def test_packages_do_not_import_upward():
+def _files():
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_every_group_has_a_row():
+    groups = {_group(f) for f in _files() if not (f.parent == SRC and f.name == "cli.py")}
+    assert groups == set(ALLOWED), groups ^ set(ALLOWED)
+
+
+def test_groups_import_only_the_groups_below_them():
     bad = []
-    for pkg, banned in FORBIDDEN.items():
-        for f in (SRC / pkg).rglob("*.py"):
-            bad += [f"{f.relative_to(SRC)} imports {m}" for m in imports(f)
-                    if m.startswith(banned)]
-    assert not bad, bad
+    for f in _files():
+        if _is_command(f):
+            continue
+        g = _group(f)
+        for mod, _ in imports(f):
+            parts = mod.split(".")
+            if len(parts) == 1:  # `from remoe import X`: the lazy public names of remoe
+                target = "__init__"
+            else:
+                target = parts[1]
+            if target != g and target not in ALLOWED[g] and not (target == "__init__"):
+                bad.append(f"{f.relative_to(SRC)} ({g}) imports {mod}")
+    assert not bad, "\n".join(bad)
 
 
-def test_neutral_modules_import_nothing_above_them():
-    bad = [f"{name} imports {m}" for name in LOW for m in imports(SRC / name) if m.startswith(ABOVE)]
-    assert not bad, bad
+def test_no_import_cycles_between_modules():
+    graph = {}
+    for f in _files():
+        me = _module_name(f)
+        graph[me] = {m for m, _ in imports(f) if _exists(m) and m != me}
+    # packages import their __init__ implicitly: an edge to a package counts as to its __init__
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_no_private_imports_across_packages():
+    bad = []
+    for f in _files():
+        g = _group(f)
+        for mod, names in imports(f):
+            parts = mod.split(".")
+            other = parts[1] if len(parts) > 1 else "__init__"
+            private = [n for n in names if n.startswith("_")] + \
+                [p for p in parts[2:] if p.startswith("_") and p != "__init__"]
+            if private and other != g:
+                bad.append(f"{f.relative_to(SRC)} imports {private} from {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_router_names_outside_the_model():
+    from remoe.model import registry
+
+    names = set(registry.BUILTINS)
+    bad = []
+    for f in _files():
+        rel = f.relative_to(SRC).as_posix()
+        if rel.startswith("model/") or rel in NAMES_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            consts = [c for c in [node.left, *node.comparators] for c in ast.walk(c)
+                      if isinstance(c, ast.Constant) and c.value in names]
+            if consts:
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_saved_model_code_is_the_model_package():
+    """The bundled code of a saved model is remoe.model's modules plus remoe.errors."""
+    from remoe.model.bundle import _modules
+
+    mods = set(_modules())
+    assert all(m.startswith("remoe.model.") or m == "remoe.errors" for m in mods), mods

@@ -1,8 +1,8 @@
-"""remoe.perf: the measured matmul ceiling and MFU; the run summary reports MFU."""
+"""remoe.machine.perf: the measured matmul ceiling and MFU; the run summary reports MFU."""
 
 import torch
 
-from remoe import perf
+from remoe.machine import perf
 
 
 def test_ceiling_is_measured_without_touching_the_global_rng():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remoe import ReMoEConfig
-from remoe.sparsity import LambdaController
+from remoe.method.sparsity import LambdaController
 
 TARGET = 1 - 1 / 8  # E=8, k=1
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from remoe.threads import ThreadTuner, usable_cores
+from remoe.machine.threads import ThreadTuner, usable_cores
 
 
 def test_tuner_probes_both_counts_and_keeps_the_faster():

@@ -3,7 +3,7 @@
 ``import remoe`` is light (no torch, no transformers): the public names below are imported on
 first use (PEP 562), so ``remoe --help``, ``remoe train --print-config`` and config errors stay
 fast. Using the config or the model (``from remoe import ReMoEConfig``, ``ReMoEForCausalLM``,
-or any ``remoe.config`` / ``remoe.model`` import) registers model_type ``remoe`` with
+or an import of ``remoe.model.config`` / ``remoe.model.llama``) registers model_type ``remoe`` with
 transformers' ``AutoConfig`` / ``AutoModelForCausalLM``.
 """
 
@@ -13,20 +13,21 @@ import importlib
 from typing import Any
 
 from remoe.errors import ConfigError
-from remoe.registry import register_router
+from remoe.model.registry import register_router
 
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "PRESETS": "remoe.model_spec", "ROUTERS": "remoe.model_spec", "ModelSpec": "remoe.model_spec",
-    "BackboneConfig": "remoe.model_spec", "RoutingConfig": "remoe.model_spec",
-    "SparsityControlConfig": "remoe.model_spec",
-    "ReMoEConfig": "remoe.config",
-    "LayerAux": "remoe.model", "MoEAux": "remoe.model", "MoEConfig": "remoe.model",
-    "MoELayer": "remoe.model", "ReMoEForCausalLM": "remoe.model", "ReMoEOutput": "remoe.model",
-    "RouterContext": "remoe.model", "Routing": "remoe.model", "Router": "remoe.model",
-    "LambdaController": "remoe.sparsity",
+    "PRESETS": "remoe.model.spec", "ROUTERS": "remoe.model.spec", "ModelSpec": "remoe.model.spec",
+    "BackboneConfig": "remoe.model.spec", "RoutingConfig": "remoe.model.spec",
+    "SparsityControlConfig": "remoe.model.spec",
+    "ReMoEConfig": "remoe.model.config",
+    "LayerAux": "remoe.model.moe", "MoEAux": "remoe.model.llama", "MoEConfig": "remoe.model.moe",
+    "MoELayer": "remoe.model.moe", "ReMoEForCausalLM": "remoe.model.llama",
+    "ReMoEOutput": "remoe.model.llama", "RouterContext": "remoe.model.routers",
+    "Routing": "remoe.model.routers", "Router": "remoe.model.routers",
+    "LambdaController": "remoe.method.sparsity",
 }
 
 

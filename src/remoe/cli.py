@@ -44,7 +44,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     # called as the `remoe` command (not main([...]) from a test or notebook): the command may
-    # restart its own process, e.g. to preload an allocator (remoe.allocator)
+    # restart its own process, e.g. to preload an allocator (remoe.machine.allocator)
     args.owns_process = argv is None
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remoe.stages import (band_excursions, centered_mean, detect_stages, mean_std_after,
+from remoe.method.stages import (band_excursions, centered_mean, detect_stages, mean_std_after,
                                    settle_index, trailing_mean)
 
 TARGET = 1 - 1 / 8

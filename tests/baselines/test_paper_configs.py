@@ -51,7 +51,7 @@ def test_only_the_model_section_differs():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_loads_with_the_experiment_loader_and_builds(name):
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
 
     exp = load_config(ROOT / "paper" / f"{name}.yaml")
     assert exp.run.name == _load(name)["run"]["name"]

@@ -8,7 +8,7 @@ import torch
 from remoe.errors import ConfigError
 from remoe.model.routers import RouterContext
 from remoe.model.routers.relu import ReLURouter
-from remoe.model_spec import ModelSpec
+from remoe.model.spec import ModelSpec
 
 
 def test_offset_moves_by_the_centred_sign_step_and_enters_the_gates():

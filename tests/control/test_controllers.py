@@ -8,7 +8,7 @@ import pytest
 
 from remoe import ReMoEConfig
 from remoe.errors import ConfigError
-from remoe.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
+from remoe.method.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
                             SparsityControl, build_controller)
 
 

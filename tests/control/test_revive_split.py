@@ -7,7 +7,7 @@ import torch
 
 from remoe import MoEConfig, MoELayer, ReMoEConfig
 from remoe.errors import ConfigError
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train import revive_split
 from remoe.train.revive_split import pick_split, split_expert, split_generator
 

@@ -26,7 +26,7 @@ def _set(code: str, name: str, value) -> str:
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory, micro_data_cfg):
     """A micro ReMoE (E=4, k=1) trained by remoe until its sparsity sits at its target."""
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
     from remoe.train.trainer import Trainer
     from tests.train.conftest import _overrides
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from remoe.hf.bundle import AUTO_MAP, bundle_sources
+from remoe.model.bundle import AUTO_MAP, bundle_sources
 
 from .conftest import run_clean
 

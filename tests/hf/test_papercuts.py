@@ -28,7 +28,7 @@ def test_remoe_data_takes_the_experiment_config(tmp_path, monkeypatch, capsys):
     import argparse
 
     from remoe.data.cli import add_arguments, config_from_args
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
 
     monkeypatch.chdir(tmp_path)
     sets = ["data.vocab_size=300", "data.cache_dir=cache", "data.max_bytes_per_domain=5000"]
@@ -68,14 +68,14 @@ def test_no_settling_note_for_a_fixed_sparsity_router(tmp_path, capsys):
 def test_auto_classes_ask_nothing_once_remoe_is_imported(save_micro):
     # issue 29 item 7: AutoTokenizer reads config.json, whose auto_map names the bundled code,
     # so transformers asked "Do you wish to run the custom code?" even with remoe installed.
-    # `import remoe.model` registers model_type "remoe" with the Auto classes: both load from the
+    # `from remoe import ReMoEForCausalLM` registers model_type "remoe" with the Auto classes: both load from the
     # installed package without trust_remote_code and without the question (README, "Saved
     # models"); the model is remoe's own class, not the bundled copy.
     import subprocess
     import sys
 
     path, _ = save_micro("auto-no-question")
-    code = ("import remoe.model\n"
+    code = ("from remoe import ReMoEForCausalLM  # noqa\n"
             "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"tok = AutoTokenizer.from_pretrained({str(path)!r})\n"
             f"model = AutoModelForCausalLM.from_pretrained({str(path)!r})\n"

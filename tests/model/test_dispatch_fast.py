@@ -1,4 +1,4 @@
-"""The fused CPU expert path (dispatch.BlockLayout + experts.FusedExpertsFn) == the reference path.
+"""The fused CPU expert path (fused_cpu.BlockLayout + fused_cpu.FusedExpertsFn) == the reference path.
 
 Outputs and every gradient (x, gates, w_in, w_out) on random masks with idle experts, idle
 tokens, G > 1, padded and jagged chunks, recompute on/off, and inference without autograd.
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from remoe.model import dispatch
-from remoe.model.experts import FusedExpertsFn, swiglu_fused, swiglu_reference
+from remoe.model.experts import swiglu_reference
+from remoe.model.fused_cpu import FusedExpertsFn, layout_of, swiglu_fused
 from remoe.model.moe import MoEConfig, MoELayer
 from remoe.model.routers import RouterContext
 
@@ -82,7 +83,7 @@ def test_layouts_cover_both_kinds_and_every_pair_once():
     for T, N, D, H, density, skew, max_rows in CASES:
         x, gates, *_ = _problem(T, N, D, H, density, seed=T + N, skew=skew)
         plan = dispatch.plan(gates != 0)
-        lay = plan.layout(max_rows)
+        lay = layout_of(plan, max_rows)
         kinds |= {ch.padded for ch in lay.chunks if ch.r1 > ch.r0}
         assert lay.chunks[0].e0 == 0 and lay.chunks[-1].e1 == N and lay.chunks[-1].r1 == lay.num_rows
         assert all(a.e1 == b.e0 and a.r1 == b.r0 for a, b in zip(lay.chunks, lay.chunks[1:]))

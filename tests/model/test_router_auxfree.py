@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from remoe import ReMoEConfig, ReMoEForCausalLM, registry
+from remoe import ReMoEConfig, ReMoEForCausalLM
+from remoe.model import registry
 from remoe.errors import ConfigError
 from remoe.model.routers import RouterContext, TopKRouter
 from remoe.model.routers.base import bias_update
@@ -126,7 +127,7 @@ def test_registered_and_validated():
 
 
 def test_trainer_moves_the_bias(make_overrides, tmp_path):
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
     from remoe.train.trainer import Trainer
 
     cfg = load_config(None, make_overrides(tmp_path, "af", **{

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from remoe import ReMoEConfig, ReMoEForCausalLM, registry
+from remoe import ReMoEConfig, ReMoEForCausalLM
+from remoe.model import registry
 from remoe.errors import ConfigError
 from remoe.model.routers import RouterContext
 from remoe.model.routers.blockffn import (BlockFFNRouter, activation_locality_loss,
@@ -146,7 +147,7 @@ def test_config_errors(field, value):
 
 
 def _train(make_overrides, tmp_path, name, steps, **extra):
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
     from remoe.train.trainer import Trainer
 
     cfg = load_config(None, make_overrides(tmp_path, name, **{

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from remoe import registry
+from remoe.model import registry
 from remoe.model import dispatch
 from remoe.model.moe import MoEConfig, MoELayer
-from remoe.syncs import SyncCounter
+from remoe.machine.syncs import SyncCounter
 
 FIXED_K = ("topk", "topk_warmup", "topk_auxfree", "sparsemixer", "hash", "expert_choice")
 DATA_DEPENDENT = ("relu", "blockffn")
@@ -186,7 +186,7 @@ def test_training_step_syncs_with_per_layer_lambdas_and_revival():
 # ----------------------------------------------------------------------------- expert parallel
 
 def _ep_worker(rank: int, init_file: str, world: int) -> None:
-    from remoe.model.expert_parallel import ExpertParallel
+    from remoe.distributed.expert_parallel import ExpertParallel
     from remoe.model.routers import RouterContext
 
     torch.set_num_threads(1)

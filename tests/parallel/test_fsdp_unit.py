@@ -1,4 +1,4 @@
-"""FSDP2 (remoe.train.fsdp) and sharded checkpoints (remoe.train.dcp) on gloo, in spawned
+"""FSDP2 (remoe.distributed.fsdp) and sharded checkpoints (remoe.distributed.dcp) on gloo, in spawned
 processes with a deadline (a hang fails the test instead of stalling it).
 
 Two ranks, rank 1's first router forced to route no token (only rank 0 feeds that layer's
@@ -22,7 +22,7 @@ VOCAB = 384
 
 
 def _model(seed: int = 0):
-    from remoe.config import PRESETS, ReMoEConfig
+    from remoe.model.config import PRESETS, ReMoEConfig
     from remoe.model import ReMoEForCausalLM
 
     torch.manual_seed(seed)
@@ -49,7 +49,7 @@ def _silence_router(model):
 
 
 def _step(model, x, coeff=1e-2):
-    from remoe.losses import total_loss
+    from remoe.method.losses import total_loss
 
     out = model(input_ids=x, labels=x, train_step=0)
     total_loss(out, coeff, None).backward()
@@ -57,9 +57,9 @@ def _step(model, x, coeff=1e-2):
 
 
 def _one_layout(rank: int, world: int, root: pathlib.Path, use_ep: bool) -> None:
-    from remoe.losses import total_loss
-    from remoe.train import dcp
-    from remoe.train.fsdp import shard_model
+    from remoe.method.losses import total_loss
+    from remoe.distributed import dcp
+    from remoe.distributed.fsdp import shard_model
 
     model = _model()
     # the reference: the same model accumulating both ranks' batches in one process (AdamW
@@ -80,7 +80,7 @@ def _one_layout(rank: int, world: int, root: pathlib.Path, use_ep: bool) -> None
 
     ep = None
     if use_ep:
-        from remoe.model.expert_parallel import shard_experts
+        from remoe.distributed.expert_parallel import shard_experts
 
         ep = shard_experts(model, dist.new_group())
     sm = shard_model(model, torch.device("cpu"), ep)
@@ -134,7 +134,7 @@ def _spawn(world: int, root) -> None:
 
 def test_fsdp_step_equals_one_process_and_checkpoint_loads_on_one(tmp_path):
     _spawn(2, tmp_path)
-    from remoe.train import dcp
+    from remoe.distributed import dcp
 
     for use_ep in (0, 1):
         ckpt = tmp_path / f"ckpt-{use_ep}" / "step_0000001"

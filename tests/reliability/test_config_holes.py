@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = ROOT / "configs" / "tiny_remoe.yaml"
@@ -47,7 +47,7 @@ def test_every_float_field_rejects_nan_and_inf():
     import dataclasses
 
     from remoe.data import DataConfig
-    from remoe.train.config import AnalysisConfig, RunConfig, TrainConfig
+    from remoe.experiment import AnalysisConfig, RunConfig, TrainConfig
 
     fields = [(sec, f.name) for sec, cls in (("run", RunConfig), ("train", TrainConfig),
                                               ("data", DataConfig), ("analysis", AnalysisConfig))

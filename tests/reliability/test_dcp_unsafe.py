@@ -1,7 +1,7 @@
 """Sharded (DCP, ``train.fsdp=true``) checkpoints run no code from their files (issue 29 item 1).
 
 torch reads ``dcp/.metadata`` with plain pickle and the non-tensor values of a shard with
-torch's full unpickler (``weights_only`` off); remoe reads both through :mod:`remoe.dcpread`. A crafted
+torch's full unpickler (``weights_only`` off); remoe reads both through :mod:`remoe.rundir.dcpread`. A crafted
 ``.metadata`` and a crafted shard value (``checksums.json`` recomputed, as anyone able to write
 the files can) give a one-line error, exit 2, and their payload never runs, on ``--resume`` and
 on ``remoe eval``; a genuine sharded checkpoint still resumes bit for bit and evaluates.
@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 
-from remoe import dcpread, rundir
+from remoe import rundir
+from remoe.rundir import dcpread
 from remoe.cli import main
 
 STEPS = {"train.fsdp": "true", "train.max_steps": 6, "train.save_every": 2}

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from remoe.cli import main
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train.trainer import Trainer
 from remoe.errors import ConfigError
 

@@ -13,7 +13,7 @@ from remoe import rundir
 from remoe.cli import main
 from remoe.errors import ConfigError
 from remoe.train import checkpoint as ckpt_io
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train.trainer import Trainer
 
 

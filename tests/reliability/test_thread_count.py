@@ -3,7 +3,7 @@
 The thread tuner (``train.num_threads: null``) picks 1 or all cores by timing, so a loaded
 machine, or a resume, can run a step at another thread count. MKL's sgemm gives other bits at
 2 threads than at 1 for products over a few rows (an expert that received 5-11 tokens); the
-fused experts run those on one thread (``remoe.model.experts.SMALL_MM_ROWS``), and their chunk
+fused experts run those on one thread (``remoe.model.fused_cpu.SMALL_MM_ROWS``), and their chunk
 size no longer follows the thread count (it decides which experts share a padded product,
 which changes the bits too: a 30-step tiny run diverged at step 12 from that). Checked on the
 experts alone for every small row count, then through ``remoe train``: 1 vs 2 threads, and a
@@ -32,7 +32,7 @@ def _at_threads(n, fn):
 
 def test_fused_experts_are_equal_at_1_and_2_threads_for_every_row_count(restore_threads):
     from remoe.model import dispatch
-    from remoe.model.experts import swiglu_fused
+    from remoe.model.fused_cpu import swiglu_fused
 
     torch.manual_seed(0)
     D, H = 256, 256
@@ -60,7 +60,7 @@ def test_fused_experts_are_equal_at_1_and_2_threads_for_every_row_count(restore_
 
 def test_fused_chunking_does_not_follow_the_thread_count(restore_threads):
     """The chunks decide which experts share a padded product (and so the bits of a step)."""
-    from remoe.model.experts import fused_rows
+    from remoe.model.fused_cpu import fused_rows
 
     assert _at_threads(1, lambda: fused_rows(256, 1024)) == _at_threads(
         2, lambda: fused_rows(256, 1024))

@@ -64,7 +64,7 @@ def test_estimate_is_the_trainers_count_and_dry_run_calibrates_on_finished_runs(
 
 
 def test_relu_stage_one_and_caps_in_the_pair_count():
-    from remoe.config import ReMoEConfig
+    from remoe.model.config import ReMoEConfig
 
     def mc(**kw):
         return ReMoEConfig.from_preset("micro", **kw)

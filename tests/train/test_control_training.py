@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train.metrics import without_machine_keys
 from remoe.train.trainer import Trainer
 

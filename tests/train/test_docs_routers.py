@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from remoe import registry
+from remoe.model import registry
 from remoe.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ROUTERS.md"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remoe.errors import ConfigError
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train.trainer import Trainer
 
 HF_BACKBONE = dict(vocab_size=384, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

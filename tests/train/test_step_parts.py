@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remoe.config import ReMoEConfig
-from remoe.losses import step_statistics
+from remoe.model.config import ReMoEConfig
+from remoe.method.losses import step_statistics
 from remoe.model import ReMoEForCausalLM
 from remoe.train.accumulate import StepSums
 from remoe.train.control import StepControl

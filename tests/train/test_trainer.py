@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remoe.loading import latest_checkpoint
+from remoe.rundir.loading import latest_checkpoint
 from remoe.train import checkpoint as ckpt_io
-from remoe.train.config import load_config
+from remoe.experiment import load_config
 from remoe.train.metrics import without_machine_keys as strip_timing
 from remoe.train.trainer import Trainer, TrainingDiverged, cosine_lr
 

@@ -14,8 +14,8 @@ import importlib
 _LAZY = {"FlipSeries": "remoe.analysis.flips", "flip_rate": "remoe.analysis.flips",
          "flip_series": "remoe.analysis.flips", "RoutingStats": "remoe.analysis.routing",
          "collect_routing_stats": "remoe.analysis.routing", "Run": "remoe.analysis.runlog",
-         "load_masks": "remoe.analysis.runlog", "Stages": "remoe.stages",
-         "detect_stages": "remoe.stages"}
+         "load_masks": "remoe.analysis.runlog", "Stages": "remoe.method.stages",
+         "detect_stages": "remoe.method.stages"}
 
 __all__ = sorted(_LAZY)
 

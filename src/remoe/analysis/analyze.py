@@ -41,7 +41,7 @@ __all__ = [  # the names this module has always offered (most now live in the mo
 def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
     """What the outputs depend on: the run's files (size, mtime), the mask files, the model
     weights (for the model-based analyses) and the options."""
-    from remoe.loading import resolve_model_dir
+    from remoe.rundir.loading import resolve_model_dir
 
     files: dict[str, Any] = {}
     for name in ("metrics.jsonl", "metrics.jsonl.gz", "eval.jsonl", "summary.json",

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from remoe.analysis.common import ANALYSES, Options  # light: `remoe analyze --help` is fast
-from remoe.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
+from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 from remoe.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from remoe.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
+from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 
 LOG_ANALYSES = ("stages", "sparsity", "flips")
 MODEL_ANALYSES = ("heatmap", "specialization", "allocation")

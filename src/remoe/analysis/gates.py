@@ -100,7 +100,7 @@ def gate_stats(model: torch.nn.Module, batches, max_tokens: int | None = None,
 
 def run_gate_stats(run: Run, opts: Options) -> list[dict[str, Any]]:
     from remoe.analysis.evaldata import eval_tokens
-    from remoe.loading import load_model, resolve_model_dir
+    from remoe.rundir.loading import load_model, resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(opts.checkpoint or run.path)

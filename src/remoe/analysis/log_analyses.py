@@ -12,7 +12,7 @@ from remoe.analysis import plots
 from remoe.analysis.common import Options, Skip, rel_files, write_csv, write_json
 from remoe.analysis.flips import FlipSeries, flip_series
 from remoe.analysis.runlog import Run
-from remoe.stages import (Stages, band_excursions, centered_mean, detect_stages, log10_span,
+from remoe.method.stages import (Stages, band_excursions, centered_mean, detect_stages, log10_span,
                           mean_std_after)
 
 

@@ -29,7 +29,7 @@ def routing_stats(run: Run, opts: Options, cache: Path | None) -> tuple[RoutingS
     """The routing statistics of the run's model (one pass), reused from ``cache`` when it was
     made from the same weights, evaluation tokens, token budget and layers."""
     from remoe.analysis.evaldata import eval_tokens
-    from remoe.loading import load_model, resolve_model_dir
+    from remoe.rundir.loading import load_model, resolve_model_dir
 
     try:
         model_dir = resolve_model_dir(opts.checkpoint or run.path)

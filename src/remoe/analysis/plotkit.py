@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from remoe.stages import Stages
+from remoe.method.stages import Stages
 
 DPI = 160
 STAGE_COLORS = {1: "#f4cccc", 2: "#fde9c8", 3: "#d9ead3"}

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from remoe.stages import Stages, band_excursions, centered_mean, trailing_mean
+from remoe.method.stages import Stages, band_excursions, centered_mean, trailing_mean
 from remoe.analysis.plotkit import DPI, new_figure, png_bytes, save_png
 from remoe.analysis.plotkit import colormap, layer_color, legend, positive, shade_stages, style_axes
 from remoe.analysis.plots_routing import (

@@ -126,8 +126,8 @@ def last_value(run: Run, key: str) -> float | None:
 
 
 def adaptive_lambda(router: str | None) -> bool:
-    """Whether ``router`` declares an adaptive lambda (remoe.registry); unknown names: no."""
-    from remoe import registry
+    """Whether ``router`` declares an adaptive lambda (remoe.model.registry); unknown names: no."""
+    from remoe.model import registry
 
     try:
         return bool(router) and bool(registry.declares(router, "uses_adaptive_reg"))

@@ -160,8 +160,8 @@ class Run:
     def model_config(self):
         """The run's :class:`ReMoEConfig`: from a saved ``config.json`` (final/ or the latest
         checkpoint), else rebuilt from ``config.yaml``'s model section; None if neither."""
-        from remoe.config import ReMoEConfig
-        from remoe.loading import resolve_model_dir
+        from remoe.model.config import ReMoEConfig
+        from remoe.rundir.loading import resolve_model_dir
 
         try:
             return ReMoEConfig.from_pretrained(resolve_model_dir(self.path))

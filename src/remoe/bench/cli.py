@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from remoe import allocator
-from remoe.allocator import MODES
+from remoe.machine import allocator
+from remoe.machine.allocator import MODES
 
 SUITES = ("layer", "model", "machine", "all", "load", "scale", "gpu")  # load, scale, gpu: not in "all"
 
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start N CPU-bound processes for the whole run: measure 'beside a busy "
                         "process' on an otherwise idle machine (default 0)")
     p.add_argument("--allocator", choices=MODES, default="auto",
-                   help="host allocator of the measuring processes (remoe.allocator): auto "
+                   help="host allocator of the measuring processes (remoe.machine.allocator): auto "
                         "(default: tcmalloc when installed, else the system malloc), default, "
                         "tcmalloc, retain (glibc keeps freed large blocks)")
     g = p.add_argument_group("layer suite")
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     allocator.check_mode(args.allocator, "remoe bench")
     if args.router_module:  # user routers: imported here and in every measuring child
-        from remoe import registry
+        from remoe.model import registry
 
         registry.import_modules(args.router_module, "--router-module")
     alloc_desc = allocator.describe(args.allocator)
@@ -210,7 +210,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
 
     if suite == "load":
         from remoe.bench.load import run_load
-        from remoe.train.cli import DEFAULT_CONFIG
+        from remoe.experiment import DEFAULT_CONFIG
 
         config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
         print(f"\nload suite: `remoe train` ({config or 'default config'}), {args.load_steps} "
@@ -223,7 +223,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
 
     if suite == "scale":  # remoe.bench.scale: DDP / FSDP / FSDP+EP over 1, 2, 4 gloo processes
         from remoe.bench.scale import run_scale
-        from remoe.train.cli import DEFAULT_CONFIG
+        from remoe.experiment import DEFAULT_CONFIG
 
         config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
         quick = ["model.preset=micro", "train.seq_len=64"] if args.quick else []

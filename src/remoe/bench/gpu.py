@@ -15,7 +15,7 @@ On a machine with CUDA:
   steps, synchronised), MFU = the trainer's counted training FLOPs per second over the
   device's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`, or ``--peak-tflops``) and over a
   measured bf16 matmul, peak memory (``torch.cuda.max_memory_allocated``), and host
-  synchronisations per step (:class:`remoe.syncs.SyncCounter` over one step, real CUDA);
+  synchronisations per step (:class:`remoe.machine.syncs.SyncCounter` over one step, real CUDA);
 * **FSDP + expert parallelism** on two processes when two GPUs are visible: a short
   ``remoe train`` of the micro model under ``torchrun`` (NCCL), its tokens/s.
 
@@ -79,7 +79,7 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10,
 def loss_check(device: torch.device, routers=ROUTERS, preset: str = "micro", batch: int = 4,
                seq: int = 64, rtol: float = 2e-2, min_cosine: float = 0.99) -> list[dict]:
     """bf16 autocast vs fp32 loss and gradient of the same weights on one batch."""
-    from remoe.config import ReMoEConfig
+    from remoe.model.config import ReMoEConfig
     from remoe.model import ReMoEForCausalLM
 
     rows = []
@@ -120,7 +120,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     from remoe.bench.model import force_model_density
     from remoe.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.model.moe import MoELayer
-    from remoe.syncs import SyncCounter
+    from remoe.machine.syncs import SyncCounter
     from remoe.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:

@@ -202,9 +202,9 @@ def build_rows(case: LayerCase, rows: tuple[str, ...] = ROWS, seed: int = 0):
             if f"hf_{impl}" in rows:
                 mods[f"hf_{impl}"] = _hf_block(topk, case, impl)
                 _hf_biased_router(mods[f"hf_{impl}"].gate, b)
-    for row in rows:  # any other registered token router (remoe.registry), as initialised
+    for row in rows:  # any other registered token router (remoe.model.registry), as initialised
         if row not in mods and row not in KNOWN_ROWS:
-            from remoe import registry
+            from remoe.model import registry
 
             if not registry.is_token_router(row):
                 raise ValueError(f"--rows {row!r} is not a token router")

@@ -1,7 +1,7 @@
 """``remoe bench --suite load``: the default training run alone and beside one busy process.
 
 For each thread setting (all usable cores, 1 thread, and ``auto`` = ``train.num_threads: null``,
-the trainer's :class:`remoe.threads.ThreadTuner`) and each condition (the machine to itself;
+the trainer's :class:`remoe.machine.threads.ThreadTuner`) and each condition (the machine to itself;
 one CPU-bound process spinning beside it), a short ``remoe train`` of the default config runs
 in its own process, and the median tokens/s of its steps after the tuner's first probe window
 is read back from ``metrics.jsonl``. This is the measurement behind the threads default: it
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from remoe.threads import usable_cores
+from remoe.machine.threads import usable_cores
 
 SPINNER = "while True: pass"
 

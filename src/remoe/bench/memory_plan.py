@@ -1,6 +1,6 @@
 """Memory arithmetic per GPU for the paper's models under each parallel layout (docs/SCALING.md).
 
-Parameter counts come in closed form from a :class:`~remoe.config.ReMoEConfig` (tested against
+Parameter counts come in closed form from a :class:`~remoe.model.config.ReMoEConfig` (tested against
 the real model's ``num_parameters``): per decoder block the attention (``2 D^2 + 2 D n_kv d_h``
 without biases), two RMSNorm weights and the FFN (dense SwiGLU ``3 D F``; an MoE layer
 ``E * 3 D F`` of experts, ``E G`` experts of width ``F / G``, plus the ``[E G, D]`` router);
@@ -33,7 +33,7 @@ LAYOUTS = ("ddp", "fsdp", "fsdp+ep")
 
 def param_counts(cfg) -> dict[str, int]:
     """``total``, ``experts``, ``block`` (one decoder block) and ``block_experts`` of ``cfg``."""
-    from remoe import registry
+    from remoe.model import registry
 
     D, F, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     dh = D // cfg.num_heads
@@ -69,7 +69,7 @@ def per_gpu(counts: dict[str, int], layout: str, world: int) -> dict[str, float]
 def plan_rows(presets=("small", "medium", "large"), routers=("dense", "topk", "relu"),
               num_experts: int = 8, worlds=(8, 16, 32)) -> list[dict[str, Any]]:
     """One row per (preset, router, layout, world): parameters and GiB per GPU."""
-    from remoe.config import ReMoEConfig
+    from remoe.model.config import ReMoEConfig
 
     rows = []
     for preset in presets:

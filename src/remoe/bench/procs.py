@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from remoe import allocator
+from remoe.machine import allocator
 
 PRELOAD = ["torch", "remoe.bench.common", "remoe.bench.layer", "remoe.bench.model",
            "transformers.models.mixtral.modeling_mixtral"]
@@ -30,7 +30,7 @@ PRELOAD = ["torch", "remoe.bench.common", "remoe.bench.layer", "remoe.bench.mode
 
 def _child_call(mode: str, threads: int, modules: str, fn, args, kwargs):
     sys.stdout.reconfigure(line_buffering=True)  # progress lines as they happen
-    from remoe import registry
+    from remoe.model import registry
 
     registry.import_modules([m for m in modules.split(",") if m], "--router-module")
     allocator.configure(mode, "remoe bench", may_reexec=False)  # the server preloaded tcmalloc

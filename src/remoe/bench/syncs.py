@@ -3,7 +3,7 @@
 :func:`count_step_syncs` builds a real :class:`remoe.train.trainer.Trainer` (synthetic token
 batches, a throw-away run directory) with ``model.expert_backend=grouped_mm`` -- the backend
 CUDA uses, whose dispatch plan stays on the device -- runs one warm-up step, then counts one
-optimizer step with :class:`remoe.syncs.SyncCounter`:
+optimizer step with :class:`remoe.machine.syncs.SyncCounter`:
 
 * ``forward``: inside the model's forward (every micro-batch), ``per_layer_forward`` that
   divided by MoE layers and micro-batches;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from remoe.syncs import SyncCounter
+from remoe.machine.syncs import SyncCounter
 
 ROUTERS = ("dense", "topk", "relu")
 
@@ -61,7 +61,7 @@ class SyntheticData:
 def step_config(router: str, preset: str = "micro", seq_len: int = 32, micro_batch: int = 2,
                 grad_accum: int = 2, out_dir: str | Path = ".", extra: list[str] | None = None):
     """The experiment config of the counted step (one process, grouped_mm, nothing periodic)."""
-    from remoe.train.config import load_config
+    from remoe.experiment import load_config
 
     sets = {"model.preset": preset, "model.router": router, "model.expert_backend": "grouped_mm",
             "train.seq_len": seq_len, "train.micro_batch_size": micro_batch,

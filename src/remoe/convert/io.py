@@ -74,8 +74,8 @@ def save(model: Any, src: str | Path, dst: str | Path, command: str = "remoe con
         if (Path(src) / name).is_file() and not (d / name).exists():
             shutil.copyfile(Path(src) / name, d / name)
     if getattr(model.config, "model_type", None) == "remoe":
-        from remoe.hf.bundle import CHECKSUMS_FILE, write_checksums
-        from remoe.hf.card import source_licence, write_card
+        from remoe.model.bundle import CHECKSUMS_FILE, write_checksums
+        from remoe.rundir.card import source_licence, write_card
 
         write_card(d, model, source={"path": str(src), "model_type": model_type(src),
                                      "command": command, "what": what, **source_licence(src)})

@@ -40,7 +40,7 @@ NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmo
 
 def dense_kind(cfg: Any):
     """The dense FFN class of ``cfg.router`` (dense, dense_wide), or None for any other."""
-    from remoe import registry
+    from remoe.model import registry
     from remoe.model.moe import DenseFFN
 
     kind = registry.resolve(cfg.router)

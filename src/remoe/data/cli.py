@@ -61,8 +61,7 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
                               "=VALUE, so that training uses the same cache")
         from pathlib import Path
 
-        from remoe.train.cli import config_path
-        from remoe.train.config import load_config
+        from remoe.experiment import config_path, load_config
 
         data = load_config(config_path(args.config), args.overrides).data
         data.cache_dir = str(Path(data.cache_dir).resolve())  # as the trainer resolves it

@@ -2,7 +2,7 @@
 
 ``RemoeLM`` is lm-eval's ``HFLM`` (its batching, padding, ``loglikelihood``,
 ``loglikelihood_rolling`` and ``generate_until``) around a :class:`remoe.ReMoEForCausalLM`
-loaded with :func:`remoe.loading.load_model` -- a run directory (its ``final/``, else
+loaded with :func:`remoe.rundir.loading.load_model` -- a run directory (its ``final/``, else
 the LATEST checkpoint), a checkpoint directory or an HF directory -- and our ``tokenizer.json``
 wrapped as a ``transformers.PreTrainedTokenizerFast`` (EOS = BOS = pad = ``<|endoftext|>``,
 which is also the prefix token of an empty context). Nothing is downloaded: the adapter puts
@@ -83,7 +83,7 @@ class RemoeLM(HFLM):
         force_offline()
         tok_path = None
         if isinstance(pretrained, (str, os.PathLike)):
-            from remoe.loading import load_model
+            from remoe.rundir.loading import load_model
 
             model, tok_path = load_model(pretrained, device=_resolve_device(device))
             name = str(pretrained)

@@ -211,7 +211,7 @@ def _saves(args: argparse.Namespace, entries: list[dict[str, Any]]) -> list[tupl
 
 def run(args: argparse.Namespace) -> int:
     # every checkpoint is pinned (a private snapshot) until the end: a run still training may
-    # prune or replace it meanwhile (remoe.loading.pinned_model_dir)
+    # prune or replace it meanwhile (remoe.rundir.loading.pinned_model_dir)
     with ExitStack() as pins:
         return _run(args, pins)
 
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace, pins: ExitStack) -> int:
     check_task_names(args.tasks)  # a misspelt task stops here, before any model or data
     import torch
 
-    from remoe.loading import load_model, pinned_model_dir
+    from remoe.rundir.loading import load_model, pinned_model_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.names and len(args.names) != len(args.checkpoints):
@@ -341,7 +341,7 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
           args: argparse.Namespace, device: str) -> tuple[dict[str, Any] | None, str | None]:
     from tqdm.auto import tqdm
 
-    from remoe.losses import evaluate_loss
+    from remoe.method.losses import evaluate_loss
 
     if bundle is None:
         return None, "no data: no config.yaml found with the checkpoint; pass --data-cache DIR"

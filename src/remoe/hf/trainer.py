@@ -2,7 +2,7 @@
 
 ``ReMoETrainer`` (or :class:`ReMoETrainerMixin` in front of another ``Trainer`` subclass)
 trains a remoe model -- plain, under PEFT, with gradient checkpointing, under DDP -- with the
-objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.losses):
+objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.method.losses):
 
 * ``compute_loss`` adds ``lambda * L_reg + L_aux`` to the model's LM loss in training
   (evaluation reports the LM loss alone, as remoe does). The LM loss honours
@@ -10,7 +10,7 @@ objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.losse
   batch), so the extra term is divided by the accumulation steps the same way;
 * each micro-batch's routing counts are summed; after every optimizer step
   (:class:`SparsityCallback`, ``on_step_end``) they are all-reduced over the ranks, and the
-  routers' ``after_step`` and the lambda controller (:mod:`remoe.sparsity`) are updated from
+  routers' ``after_step`` and the lambda controller (:mod:`remoe.method.sparsity`) are updated from
   the step's sparsity -- the same lambda on every rank;
 * the controller's state is written into every Trainer checkpoint (``remoe_sparsity.json``)
   and read back by ``train(resume_from_checkpoint=...)``;
@@ -88,7 +88,7 @@ class SparsityLoop:
     """The sparsity side of a Trainer run: the controller, the routers, the step's sums."""
 
     def __init__(self, model, init_lambda: float | str = "auto") -> None:
-        from remoe.sparsity import build_controller
+        from remoe.method.sparsity import build_controller
         from remoe.train.control import StepControl
 
         cfg = remoe_config(model)
@@ -174,7 +174,7 @@ class SparsityLoop:
 
     def step_end(self) -> None:
         """After the optimizer step: all-reduce the step's counts, update routers and lambda."""
-        from remoe.losses import step_statistics
+        from remoe.method.losses import step_statistics
 
         if self.counts_LN is None:
             return

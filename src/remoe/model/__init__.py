@@ -1,14 +1,38 @@
-"""Model pieces: the LLaMA decoder, the MoE layer, routers, dispatch and experts."""
+"""Everything a saved model needs: its config (``config``: the transformers config, ``spec``:
+the three sections each field is declared in once, ``registry``: router names), the LLaMA
+decoder (``llama``), the MoE layer (``moe``), routers, dispatch, experts and the CPU kernel.
 
-from transformers import AutoModelForCausalLM
+Light to import (PEP 562, as :mod:`remoe`): the torch-free config modules are used by
+``remoe train --print-config`` and config errors without torch. The names below load on first
+use; importing :mod:`remoe.model.llama` (``from remoe.model import ReMoEForCausalLM``)
+registers the model with transformers' ``AutoModelForCausalLM``.
+"""
 
-from remoe.config import ReMoEConfig
-from remoe.model.llama import MoEAux, ReMoEForCausalLM, ReMoEOutput
-from remoe.model.moe import DenseFFN, LayerAux, MoEConfig, MoELayer, build_ffn
-from remoe.model.routers import Router, RouterContext, Routing
+from __future__ import annotations
 
-# model_type "remoe" for transformers' AutoModelForCausalLM (AutoConfig: remoe.config)
-AutoModelForCausalLM.register(ReMoEConfig, ReMoEForCausalLM, exist_ok=True)
+import importlib
+from typing import Any
 
-__all__ = ["MoEAux", "ReMoEForCausalLM", "ReMoEOutput", "DenseFFN", "LayerAux", "MoEConfig",
-           "MoELayer", "build_ffn", "Router", "RouterContext", "Routing"]
+_LAZY = {
+    "ReMoEConfig": "remoe.model.config",
+    "MoEAux": "remoe.model.llama", "ReMoEForCausalLM": "remoe.model.llama",
+    "ReMoEOutput": "remoe.model.llama",
+    "DenseFFN": "remoe.model.moe", "LayerAux": "remoe.model.moe", "MoEConfig": "remoe.model.moe",
+    "MoELayer": "remoe.model.moe", "build_ffn": "remoe.model.moe",
+    "Router": "remoe.model.routers", "RouterContext": "remoe.model.routers",
+    "Routing": "remoe.model.routers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'remoe.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = list(_LAZY)

@@ -26,7 +26,7 @@ try:  # transformers' per-layer activation checkpointing (gradient_checkpointing
 except ImportError:  # pragma: no cover - older transformers: a plain module, no checkpointing
     GradientCheckpointingLayer = nn.Module
 
-from remoe.config import ReMoEConfig
+from remoe.model.config import ReMoEConfig
 from remoe.model.moe import LayerAux, build_ffn
 from remoe.model.routers import RouterContext
 
@@ -57,7 +57,7 @@ class MoEAux:
         return sparsity_of(self.active_counts_LN, self.num_tokens)
 
 
-# the one definition of the sparsity (also of a training step's, remoe.losses.step_statistics)
+# the one definition of the sparsity (also of a training step's, remoe.method.losses.step_statistics)
 def sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
     """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
     L, N = counts_LN.shape
@@ -267,10 +267,10 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> Any:
         """transformers' save, then the model's code and ``auto_map`` (loads with
         ``trust_remote_code=True`` without remoe), the tokenizer files of the directory it
-        was loaded from, and a model card (:mod:`remoe.hf.bundle`)."""
+        was loaded from, and a model card (:mod:`remoe.model.bundle`)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            from remoe.hf.bundle import finish_save
+            from remoe.model.bundle import finish_save
 
             finish_save(self, save_directory)
         return out
@@ -390,3 +390,10 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
                                cfg.top_k * cfg.granularity)
             inactive += (cfg.num_routed - used) * per_expert
         return int(round(total - inactive))
+
+
+if __name__.split(".")[0] == "remoe":  # the package (not a copy bundled by remoe.model.bundle)
+    from transformers import AutoModelForCausalLM
+
+    # model_type "remoe" for transformers' AutoModelForCausalLM (AutoConfig: remoe.model.config)
+    AutoModelForCausalLM.register(ReMoEConfig, ReMoEForCausalLM, exist_ok=True)

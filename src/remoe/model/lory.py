@@ -94,7 +94,7 @@ class LoryMoE(nn.Module):
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.d_model, cfg.d_ffn, cfg.init_std)
         self._stream: _Stream | list[_Stream] | None = None  # a list: one per padded sequence
 
-    # declarations read through remoe.registry (see remoe.model.routers.base.Router)
+    # declarations read through remoe.model.registry (see remoe.model.routers.base.Router)
     is_moe = True
     uses_adaptive_reg = False
     has_router_weights = True

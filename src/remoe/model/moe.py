@@ -21,14 +21,14 @@ from remoe.model import dispatch
 from remoe.model.experts import SwiGLU, SwiGLUExperts
 from remoe.model.routers import RouterContext, build_router
 from remoe.model.shared_expert import build_shared_expert
-from remoe.model_spec import RoutingConfig
+from remoe.model.spec import RoutingConfig
 
 
 class MoEConfig:
     """Config of one FFN slot: the widths it gets from the backbone, plus the routing section.
 
     The routing fields (router, E, k, G, each router's options) are declared once, in
-    :class:`~remoe.model_spec.RoutingConfig`; this class only adds what the slot needs from the
+    :class:`~remoe.model.spec.RoutingConfig`; this class only adds what the slot needs from the
     backbone, and reads every routing field through (``cfg.num_experts``). Built from keywords
     (``MoEConfig(d_model=512, d_ffn=2048, num_experts=8, top_k=1)``), or from a section
     (``MoEConfig(d_model, d_ffn, routing=spec.routing)``)."""
@@ -128,7 +128,7 @@ class MoELayer(nn.Module):
 class DenseFFN(nn.Module):
     """Dense SwiGLU in the same slot (``dense``: width d_ffn; ``dense_wide``: E x d_ffn)."""
 
-    # declarations read through remoe.registry (see remoe.model.routers.base.Router)
+    # declarations read through remoe.model.registry (see remoe.model.routers.base.Router)
     is_moe = False
     uses_adaptive_reg = False
     has_router_weights = False
@@ -172,10 +172,10 @@ class DenseWideFFN(DenseFFN):
 
 
 def build_ffn(cfg: MoEConfig) -> nn.Module:
-    """The FFN slot named by ``cfg.router`` (:mod:`remoe.registry`): a token router goes into an
+    """The FFN slot named by ``cfg.router`` (:mod:`remoe.model.registry`): a token router goes into an
     :class:`MoELayer`, an FFN kind (dense, dense_wide, lory, ...) is the slot itself. Every
     kind returns ``(y, LayerAux)``."""
-    from remoe import registry
+    from remoe.model import registry
 
     if registry.is_token_router(cfg.router):
         return MoELayer(cfg)

@@ -156,7 +156,7 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
 
 def _run_threads(run_dir: Path) -> int:
     """The threads a finished run trained with (its last metrics record), else 1."""
-    from remoe.runfiles import read_jsonl
+    from remoe.rundir.files import read_jsonl
 
     path = run_dir / "metrics.jsonl"
     good = read_jsonl(path)[0] if path.is_file() else []

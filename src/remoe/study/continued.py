@@ -7,7 +7,7 @@ For every finished run with an ``init_from.json`` (:mod:`remoe.train.init_from`)
   upcycling, beside the source's last logged LM loss (trailing mean of 20 steps);
 * the validation loss at the run's first evaluation and at its end;
 * ``steps to target``: the first step from which the 5-step mean of the sparsity stays within
-  0.02 of the target to the end (:func:`remoe.stages.detect_stages`; ``-`` for routers whose
+  0.02 of the target to the end (:func:`remoe.method.stages.detect_stages`; ``-`` for routers whose
   sparsity is fixed);
 * the final sparsity and the inactive experts on the last recorded masks;
 * ``FLOPs incl. source``: the run's training FLOPs plus those of its sources, recursively,
@@ -58,7 +58,7 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
     copy)."""
     from remoe.analysis.routing import INACTIVE_RATIO
     from remoe.analysis.runlog import Run, load_masks
-    from remoe.stages import detect_stages
+    from remoe.method.stages import detect_stages
     from remoe.analysis.report_facts import adaptive_lambda
 
     rec = _read_json(run_dir / "init_from.json") or {}

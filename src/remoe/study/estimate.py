@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from remoe import registry
+from remoe.model import registry
 
 #: lambda at which a ReLU run's stage I (about N/2 experts per token) is taken to end; see above.
 RELU_LAMBDA_REF = 1.9e-4
@@ -61,9 +61,18 @@ class RunCost:
 
 
 def _model_cfg(exp) -> Any:
-    from remoe.train.trainer import round_up
+    from remoe.experiment import padded_vocab
 
-    return exp.model_config(vocab_size=round_up(exp.data.vocab_size, 64))
+    return exp.model_config(vocab_size=padded_vocab(exp.data.vocab_size))
+
+
+def tokens_per_step(config: dict[str, dict[str, Any]]) -> int:
+    """Tokens one optimizer step draws under a run's sections dict."""
+    from remoe.experiment import TrainConfig
+
+    t = {**TrainConfig().__dict__, **config.get("train", {})}
+    # the sampler draws seq_len + 1 tokens per sequence (inputs and shifted targets)
+    return (int(t["seq_len"]) + 1) * int(t["micro_batch_size"]) * int(t["grad_accum"])
 
 
 def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:
@@ -93,7 +102,7 @@ def _step_flops(mc, counter, tokens: int, pairs_per_tok: float) -> float:
 
 def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
     """Training FLOPs of one step at the run's sparse cost (k*G experts; no stage I)."""
-    from remoe.study.runconfig import load_run_config, tokens_per_step
+    from remoe.experiment import load_config as load_run_config
     from remoe.train.flops import FlopCounter
 
     exp = load_run_config(config)
@@ -104,7 +113,7 @@ def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
 
 def estimate_flops(config: dict[str, dict[str, Any]]) -> RunCost:
     """Steps, tokens and FLOPs of a run from its config (its stop rule already applied)."""
-    from remoe.study.runconfig import load_run_config
+    from remoe.experiment import load_config as load_run_config
     from remoe.train.flops import FlopCounter
 
     exp = load_run_config(config)

@@ -103,7 +103,7 @@ def inactive_floor(ratio_LN: np.ndarray, threshold: float | None = None) -> int:
 def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float | None:
     """log10(max / min) of lambda over the records from ``settle_step`` on (per-layer lambdas:
     the largest layer amplitude)."""
-    from remoe.stages import log10_span
+    from remoe.method.stages import log10_span
 
     after = [r for r in records if int(r.get("step", -1)) >= settle_step]
     series: list[list[float]] = []
@@ -121,7 +121,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     """The numbers of one finished run (see the module docstring)."""
     from remoe.analysis.routing import INACTIVE_RATIO
     from remoe.analysis.runlog import Run
-    from remoe.stages import detect_stages
+    from remoe.method.stages import detect_stages
 
     run = Run(run_dir)
     s = run.summary
@@ -143,7 +143,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     else:
         row.update(inactive_experts=None, num_experts_total=None, inactive_source=None)
     m = run.metrics
-    adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.registry)
+    adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.model.registry)
     if adaptive and len(m) and m.has("sparsity") and target is not None:
         st = detect_stages(m.steps, m["sparsity"], target, m["lambda"] * m["reg_loss"],
                            m["lm_loss"])

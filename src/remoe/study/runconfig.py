@@ -1,29 +1,19 @@
 """A study run's full training config: its name, directory, seed and threads, its stop rule
 (``steps`` / ``tokens`` / ``flops``, ``match_flops_of``), and validation through the experiment
-loader (:func:`remoe.train.config.load_config`) before anything runs."""
+loader (:func:`remoe.experiment.load_config`) before anything runs."""
 
 from __future__ import annotations
 
 import copy
 import math
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from remoe.errors import ConfigError
 
 if TYPE_CHECKING:
     from remoe.study.spec import RunSpec, StudySpec
-
-
-def tokens_per_step(config: dict[str, dict[str, Any]]) -> int:
-    from remoe.train.config import TrainConfig
-
-    t = {**TrainConfig().__dict__, **config.get("train", {})}
-    # the sampler draws seq_len + 1 tokens per sequence (inputs and shifted targets)
-    return (int(t["seq_len"]) + 1) * int(t["micro_batch_size"]) * int(t["grad_accum"])
 
 
 def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
@@ -39,7 +29,7 @@ def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
     before they finished: a placeholder of 1 FLOP keeps the config valid for checking).
     ``init_from_run``: ``train.init_from`` is that run's directory under ``out_dir``.
     """
-    from remoe.study.estimate import nominal_step_flops
+    from remoe.study.estimate import nominal_step_flops, tokens_per_step
 
     cfg = copy.deepcopy(run.config)
     cfg.setdefault("run", {}).update(name=run.name, out_dir=str(out_dir), seed=run.seed)
@@ -65,13 +55,10 @@ def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
 
 
 def load_run_config(cfg: dict[str, dict[str, Any]]):
-    """:func:`remoe.train.config.load_config` on a sections dict (via a temporary YAML)."""
-    from remoe.train.config import load_config
+    """:func:`remoe.experiment.load_config` on a run's sections dict."""
+    from remoe.experiment import load_config
 
-    with tempfile.TemporaryDirectory(prefix="remoe-study-") as d:
-        path = Path(d) / "config.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return load_config(path)
+    return load_config(cfg)
 
 
 def validate_runs(spec: StudySpec) -> None:

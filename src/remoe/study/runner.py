@@ -121,7 +121,7 @@ class Study:
                                           self.spec.eval_loss)
 
     def has_checkpoint(self, r: RunSpec) -> bool:
-        from remoe.loading import latest_checkpoint
+        from remoe.rundir.loading import latest_checkpoint
 
         return latest_checkpoint(self.run_dir(r) / "checkpoints") is not None
 

@@ -20,7 +20,7 @@ label is the explicit run's label and/or the grid values in short form (``relu-E
 :func:`auto_label`), or the group's ``label:`` template (``str.format`` with ``{label}``,
 ``{seed}`` and the resolved config as ``{model.num_experts}`` ...); its name is
 ``<label>-s<seed>``. Every expanded config is validated with
-:func:`remoe.train.config.load_config` before anything runs; errors are one-line
+:func:`remoe.experiment.load_config` before anything runs; errors are one-line
 :class:`ConfigError` naming the spec field.
 """
 
@@ -173,7 +173,7 @@ def auto_label(point: dict[str, Any]) -> str:
 
 def _namespace(config: dict[str, dict[str, Any]]) -> dict[str, SimpleNamespace]:
     """Sections as attribute namespaces for label templates; ``model`` with every default."""
-    from remoe.config import PRESETS, ReMoEConfig
+    from remoe.model.config import PRESETS, ReMoEConfig
 
     model = {k: p.default for k, p in inspect.signature(ReMoEConfig.__init__).parameters.items()
              if k not in ("self", "kwargs")}

@@ -37,11 +37,11 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
     ``final``; a failure (a full disk included) leaves nothing half-written.
 
     The directory is a shareable Hugging Face repository: weights, ``config.json`` with
-    ``auto_map`` and the model's code (:mod:`remoe.hf.bundle`), the tokenizer files
+    ``auto_map`` and the model's code (:mod:`remoe.model.bundle`), the tokenizer files
     (``AutoTokenizer``, pad = eos, left padding), ``generation_config.json`` and a model card
-    ``README.md`` with the run's numbers at this step (:mod:`remoe.hf.card`)."""
+    ``README.md`` with the run's numbers at this step (:mod:`remoe.rundir.card`)."""
     from remoe.data.tokenizer import write_hf_tokenizer_files
-    from remoe.hf.card import find_run_dir, write_card
+    from remoe.rundir.card import find_run_dir, write_card
 
     tmp = rundir.temp_path(final)
     if tmp.exists():
@@ -102,7 +102,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
 def _model_fields(section: dict[str, Any]) -> dict[str, Any]:
     """A config's model section resolved by the model spec (defaults < preset < explicit
     fields); a section the spec cannot read is compared as written."""
-    from remoe.model_spec import ModelSpec, defaults
+    from remoe.model.spec import ModelSpec, defaults
 
     fields = dict(section or {})
     try:
@@ -172,8 +172,8 @@ def check_model_against_checkpoint(ckpt: Path, model: Any) -> None:
     ``config.json`` records (runtime fields excepted). ``model``: the ReMoEConfig about to be
     trained, or a config's ``model`` section (its vocabulary, when it sets none, is the
     checkpoint's: the tokenizer decides it)."""
-    from remoe.config import ReMoEConfig
-    from remoe.model_spec import ModelSpec
+    from remoe.model.config import ReMoEConfig
+    from remoe.model.spec import ModelSpec
 
     try:
         saved = ReMoEConfig.from_pretrained(ckpt).spec.flat()
@@ -183,7 +183,7 @@ def check_model_against_checkpoint(ckpt: Path, model: Any) -> None:
                           "against: start a new run or use --overwrite") from None
     explicit = set(model) if isinstance(model, dict) else set()  # named first when they differ
     if isinstance(model, dict):
-        from remoe.config import PRESETS
+        from remoe.model.config import PRESETS
 
         fields = dict(model)
         preset = fields.pop("preset", None)

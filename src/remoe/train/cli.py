@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from remoe import rundir
-from remoe.allocator import MODES
+from remoe.machine.allocator import MODES
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny_remoe.yaml"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,29 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the resolved config and exit (validates it)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     p.add_argument("--allocator", choices=MODES, default="auto",
-                   help="host allocator (remoe.allocator): auto (default: re-run with tcmalloc when "
+                   help="host allocator (remoe.machine.allocator): auto (default: re-run with tcmalloc when "
                         "libtcmalloc_minimal is installed: no page faults on fresh large gradients), "
                         "default (system malloc), tcmalloc, retain (glibc keeps freed large blocks)")
-
-
-def config_path(arg: str | None) -> Path | None:
-    if arg is not None:
-        path = Path(arg)
-        if not path.exists():  # e.g. configs/dmoe.yaml: suggest configs/paper/dmoe.yaml
-            from remoe.errors import ConfigError
-
-            cwd = Path.cwd()
-            found = {p.resolve() for root in (Path("configs"), DEFAULT_CONFIG.parent)
-                     if root.is_dir() for p in root.rglob(path.name)}
-            near = sorted(str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p)
-                          for p in found)
-            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
-            if not near and "=" in arg and "." in arg.split("=", 1)[0]:
-                hint = f" (to change one field, use --set {arg})"
-            raise ConfigError(f"config={arg!r} does not exist{hint}")
-        return path
-    # from a source checkout; otherwise the dataclass defaults (the same tiny ReMoE)
-    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
 @contextlib.contextmanager
@@ -100,7 +79,7 @@ def _prepare_run_dir(cfg, args: argparse.Namespace) -> None:
             print(f"remoe train: --overwrite: moved the old contents of {run_dir} to {moved}",
                   file=sys.stderr)
     elif args.resume:
-        from remoe.runlock import has_checkpoint
+        from remoe.rundir.lock import has_checkpoint
         from remoe.train.checkpoint import check_resume_model
 
         if not has_checkpoint(run_dir):  # say it now, not after the data is prepared
@@ -134,7 +113,7 @@ def _check_writable(run_dir) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remoe.train.config import load_config
+    from remoe.experiment import config_path, load_config
 
     # fails fast, before any data (with train.init_from the default file's model: section,
     # the default model, is not an override of the source's)
@@ -146,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_fits(cfg)  # a model or batch that cannot fit: one line now, not an allocator error later
     _prepare_run_dir(cfg, args)  # before any data or model work
-    from remoe.allocator import configure as configure_allocator
+    from remoe.machine.allocator import configure as configure_allocator
     from remoe.train.trainer import Trainer, TrainingDiverged, format_summary
 
     configure_allocator(args.allocator, "remoe train",

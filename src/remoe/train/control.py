@@ -1,4 +1,4 @@
-"""The sparsity-control side of a training step (the trainer's view of remoe.sparsity).
+"""The sparsity-control side of a training step (the trainer's view of remoe.method.sparsity).
 
 Before the step: the lambda(s) its loss uses and the experts whose revival hinge is on. After
 the optimizer update: each token router's ``after_step`` (the aux-loss-free bias update), the
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from remoe.losses import StepStatistics
+from remoe.method.losses import StepStatistics
 from remoe.train.revive_split import pick_split, split_expert, split_generator
 
 
 class StepControl:
-    """``controller``: a :class:`remoe.sparsity.SparsityControl` or None (no adaptive lambda);
+    """``controller``: a :class:`remoe.method.sparsity.SparsityControl` or None (no adaptive lambda);
     ``token_routers``: the token router of every MoE layer, in the order of the counts' rows;
     ``experts``: the expert module of each of those layers (needed by ``revive_method: split``)."""
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remoe import registry
-from remoe.config import ReMoEConfig
+from remoe.model import registry
+from remoe.model.config import ReMoEConfig
 
 
 @dataclass

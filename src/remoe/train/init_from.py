@@ -87,7 +87,8 @@ class InitModel:
     def write(self, run_dir: Path, controller) -> None:
         """``init_from.json`` in the run directory (``--resume`` rebuilds the model from its
         ``model``), and one line saying what the run starts from."""
-        from remoe import rundir, runfiles
+        from remoe import rundir
+        from remoe.rundir import files as runfiles
 
         rundir.atomic_write_text(run_dir / RECORD_FILE, json.dumps(self.record(), indent=2))
         lam = ""
@@ -193,7 +194,7 @@ def _dense_from_llama(hf):
 def check_overrides(source_fields: dict[str, Any], overrides: dict[str, Any],
                     upcycling: bool) -> None:
     """Refuse (one line naming the field) an override of the weights' shape."""
-    from remoe.model_spec import section_fields
+    from remoe.model.spec import section_fields
 
     backbone = {f for f, (sec, _) in section_fields().items() if sec == "backbone"}
     for key, value in overrides.items():
@@ -319,7 +320,7 @@ def check_training(cfg, model_cfg) -> None:
                           f"{max_pos} (train.init_from's; it may be raised with --set "
                           "model.max_position_embeddings=...)")
     if tc.expert_parallel:
-        from remoe.model.expert_parallel import check_expert_parallel
+        from remoe.experiment import check_expert_parallel
 
         check_expert_parallel(model_cfg.router, model_cfg.num_experts * model_cfg.granularity)
     if model_cfg.revive_after and model_cfg.revive_method == "split":
@@ -456,7 +457,7 @@ def saved_lambda(model_dir: Path, model_cfg) -> tuple[list[float], str] | None:
                 return [float(c["value"]) for c in lam["per_layer"]], "the checkpoint's own lambda"
             if "value" in lam:
                 return [float(lam["value"])], "the checkpoint's own lambda"
-    from remoe.hf.card import find_run_dir
+    from remoe.rundir.card import find_run_dir
 
     run = find_run_dir(model_dir)
     if run is not None and model_dir.name == "final" and (run / "summary.json").is_file():

@@ -1,20 +1,21 @@
 """How the model is laid out over the processes: expert parallelism (each rank keeps a slice of
-every MoE layer's experts, :mod:`remoe.model.expert_parallel`) and the DDP wrapper of plain data
-parallelism. FSDP2 is :mod:`remoe.train.fsdp`."""
+every MoE layer's experts, :mod:`remoe.distributed.expert_parallel`) and the DDP wrapper of plain data
+parallelism. FSDP2 is :mod:`remoe.distributed.fsdp`."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from remoe import registry
+from remoe.model import registry
 
 
 def setup_expert_parallel(model: torch.nn.Module, tc, model_cfg, info):
     """Replace every MoE layer's experts by this rank's slice (None: off or one process)."""
     if not tc.expert_parallel:
         return None
-    from remoe.model.expert_parallel import check_expert_parallel, shard_experts
+    from remoe.distributed.expert_parallel import shard_experts
+    from remoe.experiment import check_expert_parallel
 
     check_expert_parallel(model_cfg.router, model_cfg.num_experts * model_cfg.granularity,
                           info.world_size)

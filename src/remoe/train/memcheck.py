@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from remoe.errors import ConfigError
+from remoe.model import registry
 
 GIB = 1024 ** 3
 
@@ -25,7 +26,8 @@ def param_lower_bound(spec) -> int:
     F = b.ffn_hidden_size or 4 * D
     dh = D // max(1, b.num_heads)
     attn = 2 * D * D + 2 * D * b.num_kv_heads * dh
-    dense = r.router in ("dense", None)
+    # a dense FFN kind: one FFN of width F (a lower bound for dense x E too)
+    dense = not registry.declares(r.router, "is_moe")
     ffn = 3 * D * F if dense else r.num_experts * 3 * D * F + r.num_experts * r.granularity * D
     return 2 * V * D + L * (attn + ffn + 2 * D) + D
 

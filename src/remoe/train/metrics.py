@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from remoe import perf, rundir
+from remoe import rundir
+from remoe.machine import perf
 from remoe.errors import ConfigError
 
 #: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
@@ -77,7 +78,7 @@ def last_logged(run_dir: Path, step: int) -> dict[str, Any] | None:
 
 def logged_stages(run_dir: Path, target_sparsity: float):
     """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
-    from remoe.stages import detect_stages
+    from remoe.method.stages import detect_stages
 
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip()]

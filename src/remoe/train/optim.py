@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from remoe.loading import latest_checkpoint
+from remoe.rundir.loading import latest_checkpoint
 
 
 class TrainingDiverged(RuntimeError):

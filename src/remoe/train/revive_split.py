@@ -14,7 +14,7 @@ the demand is: at most one dead expert per layer and step (the one silent longes
 
 The noise is drawn from a generator seeded by (run seed, step, layer): every data-parallel rank
 makes the same split and an exact resume repeats it. Every expert's weights must be on every
-rank: expert parallel and FSDP refuse this option (remoe.train.config).
+rank: expert parallel and FSDP refuse this option (remoe.experiment).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from remoe.threads import ThreadTuner, usable_cores
-from remoe.train.distributed import DistInfo, init_distributed, resolve_device
+from remoe.machine.threads import ThreadTuner, usable_cores
+from remoe.distributed.setup import DistInfo, init_distributed, resolve_device
 
 
 @dataclass

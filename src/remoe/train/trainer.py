@@ -4,11 +4,11 @@ One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
 
     LR schedule (schedule.py); lambda(s) and revival from the controller (control.py)
     for each micro-batch: out = model(x, labels=x, train_step=step)
-        loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.losses)
+        loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.losses)
         (loss / grad_accum).backward(); add losses and routing counts (accumulate.py)
     all-reduce the step's sums once (accumulate.py); stop on a non-finite loss (optim.py)
     expert-parallel grads, clip, optimizer step (optim.py)
-    step_statistics(counts) -> S_i, per-layer S, active k, dead experts (remoe.losses)
+    step_statistics(counts) -> S_i, per-layer S, active k, dead experts (remoe.method.losses)
     routers' after_step, controller.update(S_i) (control.py; same lambda on every rank)
     metrics line (metrics.py), progress (progress.py), periodic validation, mask recording
     (masks.py) and atomic checkpoint (checkpoint.py)
@@ -33,13 +33,13 @@ from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
-from remoe.losses import step_statistics, total_loss
-from remoe.sparsity import build_controller
+from remoe.method.losses import step_statistics, total_loss
+from remoe.method.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.accumulate import StepSums
-from remoe.train import dcp
-from remoe.train.config import ExperimentConfig
-from remoe.train.fsdp import shard_model
+from remoe.distributed import dcp
+from remoe.experiment import ExperimentConfig, padded_vocab
+from remoe.distributed.fsdp import shard_model
 from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
 from remoe.train.masks import calibration_set, write_masks
@@ -48,7 +48,7 @@ from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
 from remoe.train.resume import load_full_checkpoint, logged_eval, start_run_dir
 from remoe.train.runtime import setup_runtime
 # the parts of the trainer, re-exported here for existing imports
-from remoe.train.distributed import DistInfo, init_distributed, resolve_device  # noqa: F401
+from remoe.distributed.setup import DistInfo, init_distributed, resolve_device  # noqa: F401
 from remoe.train.masks import round_robin as _round_robin  # noqa: F401
 from remoe.train.metrics import (MetricsWriter, format_summary, open_tensorboard,  # noqa: F401
                                  run_summary)
@@ -101,7 +101,7 @@ class Trainer:
             self.model = self._init_model(resume)
             self.model_cfg = self.model.config
         else:
-            vocab = round_up(data.vocab_size, 64)
+            vocab = padded_vocab(data.vocab_size)
             self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
                                               bos_token_id=data.eos_id, pad_token_id=data.eos_id)
             if self.model_cfg.vocab_size < data.vocab_size:
@@ -110,7 +110,7 @@ class Trainer:
             self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         # train.expert_parallel: this rank's slice of the experts (None: off or one process)
         self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
-        # train.fsdp: FSDP2 over the blocks and the root (remoe.train.fsdp; None otherwise)
+        # train.fsdp: FSDP2 over the blocks and the root (remoe.distributed.fsdp; None otherwise)
         self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
                      if tc.fsdp else None)
         self.flops = FlopCounter(self.model_cfg, tc.seq_len)
@@ -252,7 +252,7 @@ class Trainer:
         if self.dist.is_main:  # the lines a resume from this checkpoint keeps are on disk first
             self.metrics.sync()
             self.evals.sync()
-        if self.fsdp is not None:  # sharded (remoe.train.dcp): every rank writes its shards
+        if self.fsdp is not None:  # sharded (remoe.distributed.dcp): every rank writes its shards
             path = dcp.save_sharded(self.ckpt_root, self.step, self.model, self.optimizer,
                                     self._state({}), self.cfg.train.keep_last, self.ep)
             self._saved_step = self.step
@@ -336,7 +336,7 @@ class Trainer:
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
-        from remoe.losses import evaluate_loss
+        from remoe.method.losses import evaluate_loss
 
         res = evaluate_loss(self.model, self._eval_batches(), list(self.data.domains),
                             device=self.device)
@@ -453,7 +453,3 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-
-def round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple

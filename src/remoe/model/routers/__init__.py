@@ -1,6 +1,6 @@
 """Routers: one interface (:class:`Router` -> :class:`Routing`), one registry.
 
-``build_router(cfg)`` maps ``MoEConfig.router`` to a router through :mod:`remoe.registry`;
+``build_router(cfg)`` maps ``MoEConfig.router`` to a router through :mod:`remoe.model.registry`;
 each module holds one method and declares what the rest of remoe needs to know about it.
 """
 
@@ -13,8 +13,8 @@ from remoe.model.routers.topk import TopKRouter, TopKWarmupRouter, switch_load_b
 
 def build_router(cfg) -> Router:
     """Build the token router named by ``cfg.router`` (a :class:`remoe.model.moe.MoEConfig`)
-    through :mod:`remoe.registry`: built-ins and routers registered by user modules alike."""
-    from remoe import registry
+    through :mod:`remoe.model.registry`: built-ins and routers registered by user modules alike."""
+    from remoe.model import registry
 
     cls = registry.resolve(cfg.router)
     if not (isinstance(cls, type) and issubclass(cls, Router)):

@@ -51,7 +51,7 @@ class Routing:
 class Router(nn.Module):
     """Base class: subclasses implement :meth:`forward` ``(x_TD, ctx) -> Routing``."""
 
-    # Declarations read by the rest of remoe through remoe.registry (never by name):
+    # Declarations read by the rest of remoe through remoe.model.registry (never by name):
     #: the MoE layer routes tokens to experts (FFN kinds such as dense say False)
     is_moe: bool = True
     #: ``reg_loss`` must be scaled by the adaptive lambda controller (ReLU)

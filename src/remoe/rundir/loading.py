@@ -15,7 +15,8 @@ from typing import Iterator
 
 import torch
 
-from remoe import dcpread, rundir
+from remoe import rundir
+from remoe.rundir import dcpread
 from remoe.errors import ConfigError
 
 STATE_FILE = rundir.STATE_FILE
@@ -133,7 +134,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Load a model from a run/checkpoint/HF directory: returns ``(model, tokenizer_path|None)``.
 
     A sharded checkpoint (``train.fsdp=true``: ``dcp/`` instead of ``model.safetensors``) is
-    read in this one process through :mod:`remoe.dcpread` (nothing in its files can run)."""
+    read in this one process through :mod:`remoe.rundir.dcpread` (nothing in its files can run)."""
     with pinned_model_dir(path) as (orig, d):  # a live run may prune it while it loads
         model = _load(d, device)
     tok = orig / "tokenizer.json"  # (a caller that needs it to stay holds a pinned_model_dir)
@@ -158,7 +159,7 @@ def _load(d: Path, device: str | torch.device):
     from remoe.model import ReMoEForCausalLM
 
     if dcpread.is_sharded(d):  # a checkpoint of a train.fsdp run: config.json + dcp/ shards
-        from remoe.config import ReMoEConfig
+        from remoe.model.config import ReMoEConfig
 
         model = ReMoEForCausalLM(ReMoEConfig.from_pretrained(d))
         dcpread.load_model_weights(model, d)

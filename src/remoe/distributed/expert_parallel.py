@@ -38,26 +38,6 @@ from remoe.model import dispatch
 from remoe.model.experts import SwiGLUExperts, autocast_input
 from remoe.model.moe import MoELayer
 
-def ep_routers() -> tuple[str, ...]:
-    """Routers that declare ``expert_parallel`` (token-routed, stacked experts)."""
-    from remoe import registry
-
-    return tuple(n for n in registry.names() if registry.declares(n, "expert_parallel"))
-
-
-def check_expert_parallel(router: str, num_routed: int, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` when ``train.expert_parallel=true`` cannot run."""
-    from remoe import registry
-
-    if not registry.declares(router, "expert_parallel"):
-        raise ConfigError(f"train.expert_parallel=true needs a token-routed MoE router "
-                          f"({', '.join(ep_routers())}), not model.router={router!r}")
-    if world_size is not None and world_size > 1 and num_routed % world_size:
-        raise ConfigError(f"train.expert_parallel=true needs the number of experts "
-                          f"(model.num_experts x model.granularity = {num_routed}) to be "
-                          f"divisible by the world size ({world_size})")
-
-
 # --------------------------------------------------------------------------- the collective
 
 class _AllToAll(torch.autograd.Function):

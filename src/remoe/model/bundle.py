@@ -4,9 +4,9 @@ A saved directory must load with ``AutoModelForCausalLM.from_pretrained(dir,
 trust_remote_code=True)`` in a Python that has torch and transformers but not remoe. The code
 it needs is *generated* here from this package at every save, never kept as a second copy:
 
-* the modules :mod:`remoe.config` and :mod:`remoe.model.llama` need (their ``remoe`` imports,
-  lazy ones included, and the ``"remoe.x.y:Class"`` names of :mod:`remoe.registry`) are copied
-  as flat files: ``configuration_remoe.py`` (``remoe.config``), ``modeling_remoe.py``
+* the modules :mod:`remoe.model.config` and :mod:`remoe.model.llama` need (their ``remoe`` imports,
+  lazy ones included, and the ``"remoe.x.y:Class"`` names of :mod:`remoe.model.registry`) are copied
+  as flat files: ``configuration_remoe.py`` (``remoe.model.config``), ``modeling_remoe.py``
   (``remoe.model.llama``) and ``remoe_<dotted_path>.py`` for the rest (``remoe_model_moe.py``);
 * their imports are rewritten to relative ones (``from remoe.model.moe import X`` ->
   ``from .remoe_model_moe import X``; ``from remoe import registry`` ->
@@ -41,7 +41,7 @@ AUTO_MAP = {"AutoConfig": f"{CONFIG_FILE}.ReMoEConfig",
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _PKG = "remoe"
 # entry modules (relative to the package) -> their file names in the bundle
-_ENTRIES = {"config": CONFIG_FILE, "model.llama": MODELING_FILE}
+_ENTRIES = {"model.config": CONFIG_FILE, "model.llama": MODELING_FILE}
 _REF = re.compile(r"^remoe((?:\.\w+)+)(:\w+)?$")  # a string naming a package module
 _BUNDLE_FILE = re.compile(r"^(configuration_remoe|modeling_remoe|remoe_\w+)\.py$")
 
@@ -167,7 +167,7 @@ def _rewrite(name: str, text: str, tree: ast.Module, bundled: set[str]) -> str:
     for a, b, new in reversed(edits):
         out = out[:a] + new.encode("utf-8") + out[b:]
     src = _module_file(name).relative_to(_package_root().parent).as_posix()
-    header = (f"# Generated from {src} by remoe.hf.bundle when this model was saved: the "
+    header = (f"# Generated from {src} by remoe.model.bundle when this model was saved: the "
               "package's own code,\n# with its imports rewritten for this flat directory. Do "
               "not edit (saving regenerates it).\n")
     result = header + out.decode("utf-8")

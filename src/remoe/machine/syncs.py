@@ -76,7 +76,7 @@ _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 
 def _where() -> str:
     frames = [f for f in traceback.extract_stack()
-              if not f.filename.startswith(_TORCH_DIR) and not f.filename.endswith("/remoe/syncs.py")]
+              if not f.filename.startswith(_TORCH_DIR) and not f.filename.endswith("/remoe/machine/syncs.py")]
     for f in reversed(frames):
         if "/remoe/" in f.filename:
             return f"{f.filename.rsplit('/remoe/', 1)[-1]}:{f.lineno} {f.name}"

@@ -1,9 +1,9 @@
 """The model config as three sections, each a small dataclass validated once (no torch/transformers).
 
 * :class:`BackboneConfig` — the LLaMA backbone (widths, depth, heads, RoPE, norms, init);
-* :class:`RoutingConfig` — the FFN slot: ``router`` (any name of :mod:`remoe.registry`), E, k,
+* :class:`RoutingConfig` — the FFN slot: ``router`` (any name of :mod:`remoe.model.registry`), E, k,
   G, and every router's own options;
-* :class:`SparsityControlConfig` — what the sparsity controller (:mod:`remoe.sparsity`) reads:
+* :class:`SparsityControlConfig` — what the sparsity controller (:mod:`remoe.method.sparsity`) reads:
   ``lambda0``, ``alpha``, the update rule, per-layer control and expert revival.
 
 :class:`ModelSpec` composes them. :class:`remoe.ReMoEConfig` (the transformers config) is built
@@ -14,7 +14,7 @@ class's ``validate`` — the YAML loader, ``ReMoEConfig`` and ``config.json`` pi
 
 This module imports neither torch nor transformers, so ``remoe train --print-config`` and config
 errors stay fast (a router module, which needs torch, is imported only if its class adds checks:
-:data:`remoe.registry.BUILTINS_WITH_CHECKS`).
+:data:`remoe.model.registry.BUILTINS_WITH_CHECKS`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from remoe import registry
+from remoe.model import registry
 from remoe.errors import ConfigError
 
-#: The built-in values of ``model.router`` (remoe.registry; user modules may register more).
+#: The built-in values of ``model.router`` (remoe.model.registry; user modules may register more).
 #: ``dense`` and ``dense_wide`` replace the MoE layer by a dense SwiGLU FFN of width ``d_ffn``
 #: and ``num_experts * d_ffn`` ("Dense x E"); ``lory`` is Lory's segment-merging FFN.
 ROUTERS = tuple(registry.BUILTINS)

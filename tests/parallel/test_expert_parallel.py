@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from remoe.errors import ConfigError
-from remoe.model.expert_parallel import check_expert_parallel
-from remoe.train.config import load_config
+from remoe.experiment import check_expert_parallel
+from remoe.experiment import load_config
 from remoe.train.trainer import Trainer
 
 WORLD = 2
@@ -25,9 +25,18 @@ WORLD = 2
 
 # ----------------------------------------------------------------------------- unit (spawn)
 
+
+@pytest.fixture
+def make_overrides(make_overrides):
+    """The multi-process tests' micro overrides with the short schedule these tests assume
+    (6 steps of 4 x 32 tokens, evaluated and saved every 3, masks every 2)."""
+    short = {"train.micro_batch_size": 4, "train.max_steps": 6, "train.eval_every": 3,
+             "train.save_every": 3, "analysis.record_masks_every": 2}
+    return lambda out_dir, name, **extra: make_overrides(out_dir, name, **{**short, **extra})
+
 def _unit_worker(rank: int, init_file: str) -> None:
     from remoe.model import dispatch
-    from remoe.model.expert_parallel import ExpertParallel, ExpertParallelExperts
+    from remoe.distributed.expert_parallel import ExpertParallel, ExpertParallelExperts
     from remoe.model.experts import SwiGLUExperts
     from remoe.model.moe import MoEConfig, MoELayer
 

@@ -75,7 +75,7 @@ def _num(v: Any, fmt: str) -> str:
 def _router_summary(router: str) -> str:
     """The first paragraph of the router class's docstring (on one line)."""
     try:
-        from remoe import registry
+        from remoe.model import registry
 
         doc = (registry.resolve(router).__doc__ or "").strip()
     except Exception:  # a user router that is not importable here: its name is enough
@@ -276,7 +276,7 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
 
 def _default_eval_chunks() -> Any:
     try:
-        from remoe.train.config import TrainConfig
+        from remoe.experiment import TrainConfig
 
         return TrainConfig.__dataclass_fields__["eval_chunks_per_domain"].default
     except Exception:  # noqa: BLE001 - a card is written even if the train package cannot load

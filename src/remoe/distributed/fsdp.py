@@ -5,7 +5,7 @@ along dim 0 over the W ranks, are all-gathered for its forward and backward and 
 reduce-scattered, averaged over the ranks as DDP averages them); the root unit holds the
 embedding, the final norm and the LM head. With ``train.expert_parallel=true`` the experts of
 every token-routed MoE layer are already split by expert parallelism
-(:mod:`remoe.model.expert_parallel`): FSDP ignores them (``ignored_params``) and
+(:mod:`remoe.distributed.expert_parallel`): FSDP ignores them (``ignored_params``) and
 :meth:`ExpertParallel.finish_grads` averages their gradients, so the two compose.
 
 Mixed precision (CUDA with bf16 only): parameters are all-gathered and computed in bf16,
@@ -23,7 +23,7 @@ the layer output with a zero factor, which changes no value and no other gradien
 gradients + expert-parallel gradients) and the full (consolidated) state dict for ``final/``.
 With one process (``torchrun --nproc_per_node=1`` or plain ``remoe train``) nothing is
 sharded; the handle still writes and reads sharded (DCP) checkpoints, so a run can move
-between world sizes (:mod:`remoe.train.dcp`).
+between world sizes (:mod:`remoe.distributed.dcp`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Experiment configs: YAML files mapped one to one onto dataclasses, with ``--set`` overrides.
 
 An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (``preset`` and the
-fields of the three model sections of :mod:`remoe.model_spec`, flat), ``data`` (:class:`remoe.data.DataConfig`),
+fields of the three model sections of :mod:`remoe.model.spec`, flat), ``data`` (:class:`remoe.data.DataConfig`),
 ``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
 duplicate keys, wrong types, non-finite numbers, impossible values, a file that is not UTF-8
 YAML, a section that is not a mapping and a run directory that cannot be one raise
@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from remoe import safeyaml
 from remoe.errors import ConfigError
-from remoe.model_spec import PRESETS, ModelSpec, RoutingConfig, field_types
+from remoe.model import registry
+from remoe.model.spec import PRESETS, ModelSpec, RoutingConfig, field_types
 
 if TYPE_CHECKING:
-    from remoe.config import ReMoEConfig
+    from remoe.model.config import ReMoEConfig
 
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and numpy's SeedSequence take any 0 <= seed < 2**64
@@ -91,15 +93,15 @@ class TrainConfig:
     tensorboard: bool = False
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
-    # torch intra-op threads; null: chosen by measurement (remoe.threads.ThreadTuner: all usable
+    # torch intra-op threads; null: chosen by measurement (remoe.machine.threads.ThreadTuner: all usable
     # cores or 1, whichever runs faster, re-checked every thread_probe_every steps)
     num_threads: int | None = None
     thread_probe_every: int = 50
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
-    # layer (remoe.model.expert_parallel); no-op with one process
+    # layer (remoe.distributed.expert_parallel); no-op with one process
     expert_parallel: bool = False
     # FSDP2 under torchrun: decoder blocks and root sharded over the ranks, sharded (DCP)
-    # checkpoints (remoe.train.fsdp, remoe.train.dcp; docs/SCALING.md)
+    # checkpoints (remoe.distributed.fsdp, remoe.distributed.dcp; docs/SCALING.md)
     fsdp: bool = False
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
@@ -188,7 +190,7 @@ class ExperimentConfig:
 
     def model_config(self, vocab_size: int | None = None, **extra: Any) -> "ReMoEConfig":
         """The ReMoEConfig of this experiment (``vocab_size`` from the tokenizer if not set)."""
-        from remoe.config import ReMoEConfig
+        from remoe.model.config import ReMoEConfig
 
         return ReMoEConfig(**self._model_fields(vocab_size, extra))
 
@@ -280,86 +282,6 @@ def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, but a mapping with a repeated key is an error (YAML requires unique
-    keys; PyYAML would silently keep the last value)."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            first_line: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    seen = first_line.get(key)
-                except TypeError:  # unhashable: the base class reports it
-                    continue
-                line = key_node.start_mark.line + 1
-                if seen is not None:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} at line {line} (first at line "
-                        f"{seen}); YAML keys must be unique", None)
-                first_line[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-#: values a config may hold once YAML aliases are expanded (a real one has a few hundred)
-MAX_CONFIG_VALUES = 100_000
-
-
-def _check_size(obj: Any) -> None:
-    """Refuse a YAML value that expands to more than MAX_CONFIG_VALUES values: a few hundred
-    bytes of nested aliases (an "alias bomb") expand to billions, and anything that walks them
-    (validation, repr, saving config.yaml) would never finish. Stops at the limit."""
-    count, stack = 0, [obj]
-    while stack:
-        v = stack.pop()
-        count += 1
-        if count > MAX_CONFIG_VALUES:
-            raise ConfigError(f"the config holds more than {MAX_CONFIG_VALUES:,} values once "
-                              "its YAML aliases (&name / *name) are expanded; write the values "
-                              "out instead")
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-
-
-def _yaml_load(text: str) -> Any:
-    value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    _check_size(value)
-    return value
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML error as one line: the problem and where."""
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
-        mark = e.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        return f"{e.problem}{where}"
-    return " ".join(str(e).split())
-
-
-def _read_yaml(p: Path) -> Any:
-    _check(p.is_file(), f"config={str(p)!r} does not exist" if not p.exists() else
-           f"config={str(p)!r} is not a file")
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"config={str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
-                          f"line {line}, offset {e.start}): save it as UTF-8") from None
-    try:
-        return _yaml_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config={str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
-    except ConfigError as e:
-        raise ConfigError(f"config={str(p)!r}: {e}") from None
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], YAML-parsed value)."""
     _check("=" in text, f"--set {text!r} must look like section.key=value")
@@ -368,13 +290,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     _check(len(path) == 2 and all(path), f"--set {text!r}: key must be section.key (e.g. "
            "model.num_experts=16)")
     try:
-        value = _yaml_load(raw) if raw.strip() else None
+        value = safeyaml.load_text(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return path, value
 
 
 SECTIONS = ("run", "model", "data", "train", "analysis")
+#: the experiment ``remoe train`` runs without a CONFIG, in a source checkout
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_remoe.yaml"
+#: an unset model.vocab_size follows the tokenizer, rounded up to a multiple of this
+VOCAB_MULTIPLE = 64
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -386,18 +312,66 @@ def _short(v: Any, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def ep_routers() -> tuple[str, ...]:
+    """Routers that declare ``expert_parallel`` (token-routed, stacked experts)."""
+    return tuple(n for n in registry.names() if registry.declares(n, "expert_parallel"))
+
+
+def check_expert_parallel(router: str, num_routed: int, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` when ``train.expert_parallel=true`` cannot run."""
+    if not registry.declares(router, "expert_parallel"):
+        raise ConfigError(f"train.expert_parallel=true needs a token-routed MoE router "
+                          f"({', '.join(ep_routers())}), not model.router={router!r}")
+    if world_size is not None and world_size > 1 and num_routed % world_size:
+        raise ConfigError(f"train.expert_parallel=true needs the number of experts "
+                          f"(model.num_experts x model.granularity = {num_routed}) to be "
+                          f"divisible by the world size ({world_size})")
+
+
+def config_path(arg: str | None) -> Path | None:
+    """The experiment file a command reads: ``arg`` (ConfigError if it does not exist, with the
+    nearest match under ``configs/``, or the ``--set`` it looks like), else the default
+    experiment :data:`DEFAULT_CONFIG` when running from a source checkout (None otherwise:
+    the dataclass defaults, the same tiny ReMoE)."""
+    if arg is None:
+        return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+    path = Path(arg)
+    if not path.exists():  # e.g. configs/dmoe.yaml: suggest configs/paper/dmoe.yaml
+        cwd = Path.cwd()
+        found = {q.resolve() for root in (Path("configs"), DEFAULT_CONFIG.parent)
+                 if root.is_dir() for q in root.rglob(path.name)}
+        near = sorted(str(q.relative_to(cwd)) if q.is_relative_to(cwd) else str(q)
+                      for q in found)
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        if not near and "=" in arg and "." in arg.split("=", 1)[0]:
+            hint = f" (to change one field, use --set {arg})"
+        raise ConfigError(f"config={arg!r} does not exist{hint}")
+    return path
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    """The embedding rows of a model whose ``model.vocab_size`` is unset: the tokenizer's
+    vocabulary rounded up to a multiple of :data:`VOCAB_MULTIPLE`."""
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def load_config(path: str | Path | dict[str, Any] | None = None,
+                overrides: list[str] | None = None,
                 default_file: bool = False) -> ExperimentConfig:
-    """Load a YAML experiment (or the defaults), apply ``--set`` overrides, validate everything.
+    """Load an experiment (a YAML file, a dict of sections, or the defaults), apply ``--set``
+    overrides, validate everything.
 
     With ``train.init_from`` the ``model:`` section holds overrides of the source's config,
     checked against the source when the run starts (:mod:`remoe.train.init_from`); then
     ``default_file`` (``path`` is the default experiment, not the user's) drops the file's
     ``model:`` section, which describes the default model, not an override."""
     raw: dict[str, Any] = {}
-    if path is not None:
+    if isinstance(path, dict):  # sections given directly (remoe study): checked as a file's
+        safeyaml.check_size(path)
+        raw = dict(path)
+    elif path is not None:
         p = Path(path)
-        loaded = _read_yaml(p)
+        loaded = safeyaml.read_file(p)
         # an empty file (or only comments) is the default experiment
         raw = {} if loaded is None else loaded
         _check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections, got "
@@ -447,8 +421,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                f"end-of-text token (data.vocab_size={cfg.data.vocab_size} asks for "
                f"{cfg.data.vocab_size}); leave model.vocab_size unset to follow the tokenizer")
     if cfg.train.expert_parallel:  # the world size is checked when training starts
-        from remoe.model.expert_parallel import check_expert_parallel
-
         check_expert_parallel(spec.routing.router, spec.routing.num_experts * spec.routing.granularity)
     if spec.control.revive_after and spec.control.revive_method == "split":
         for name in ("expert_parallel", "fsdp"):  # a split copies rows across all experts

@@ -4,7 +4,7 @@
 :func:`check_not_locked` (fail fast), :func:`remove_interrupted_writes` (temporaries left by
 killed writes), :func:`require_fresh` and :func:`archive_contents` (``--overwrite``).
 
-A low module: the standard library, :mod:`remoe.errors` and :mod:`remoe.runfiles`. See
+A low module: the standard library, :mod:`remoe.errors` and :mod:`remoe.rundir.files`. See
 :mod:`remoe.rundir`.
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from remoe.errors import ConfigError
-from remoe.runfiles import say, warn, writing
+from remoe.rundir.files import say, warn, writing
 
 LOCK_FILE = ".lock"
 # what an interrupted write leaves behind: .step_*.tmp<pid>, .final.tmp<pid>, .<file>.tmp<pid>,

@@ -13,7 +13,7 @@ written its shards, then ``LATEST`` is replaced, as for full checkpoints
 every tensor with its global shape and each shard's offsets, so the checkpoint loads at any
 world size: FSDP-sharded tensors are DTensors already, and the expert slices of expert
 parallelism are declared as ``Shard(0)`` DTensors of the full expert tensor (keys are the
-full model's names, :class:`~remoe.model.expert_parallel.ExpertParallel`). With one process
+full model's names, :class:`~remoe.distributed.expert_parallel.ExpertParallel`). With one process
 the model is plain and DCP reads (or writes) whole tensors. The state dicts come from
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (parameter names, not ids, key the
 optimizer state). The run's ``final/`` stays a consolidated Hugging Face directory.
@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from remoe import dcpread, rundir
+from remoe import rundir
+from remoe.rundir import dcpread
 from remoe.errors import ConfigError
 
 DCP_DIR = "dcp"
@@ -148,12 +149,12 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, state: dict[str, 
 
 def load_sharded(ckpt: Path, model, optimizer, ep=None) -> None:
     """Collective: load the model and optimizer state of a sharded checkpoint (any world size)
-    into this rank's shards. The files are read through :mod:`remoe.dcpread` (an allow-list
+    into this rank's shards. The files are read through :mod:`remoe.rundir.dcpread` (an allow-list
     unpickler for ``.metadata``, ``weights_only`` for the rest): a crafted file runs nothing."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     sd = training_state(model, optimizer, ep)
-    # never torch's own reader: it unpickles .metadata with plain pickle (remoe.dcpread)
+    # never torch's own reader: it unpickles .metadata with plain pickle (remoe.rundir.dcpread)
     dcpread.load(sd, Path(ckpt) / DCP_DIR)
     sd = _ep_to_local(sd, ep)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

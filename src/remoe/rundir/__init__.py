@@ -18,8 +18,8 @@ its manifest before a resume uses it (:func:`find_resumable`); a torn JSONL line
 trainer: it imports only the standard library, torch/safetensors, :mod:`remoe.errors` and its
 two parts below.
 
-Parts: :mod:`remoe.runlock` (the lock, the fresh-run guard, leftovers of interrupted writes),
-:mod:`remoe.runfiles` (full-disk reporting, atomic writes, strict JSON, JSONL); this module
+Parts: :mod:`remoe.rundir.lock` (the lock, the fresh-run guard, leftovers of interrupted writes),
+:mod:`remoe.rundir.files` (full-disk reporting, atomic writes, strict JSON, JSONL); this module
 keeps the checksummed checkpoints and the verified resume, and re-exports the other two.
 """
 
@@ -33,10 +33,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from remoe.runfiles import (DiskFullError, JsonlAppender, atomic_write_text, dumps_json,
+from remoe.rundir.files import (DiskFullError, JsonlAppender, atomic_write_text, dumps_json,
                             finite_or_none, fsync_dir, fsync_tree, is_disk_full, read_jsonl,
                             say, temp_path, warn, writing)
-from remoe.runlock import (LOCK_FILE, RunLock, archive_contents, check_not_locked, contents,
+from remoe.rundir.lock import (LOCK_FILE, RunLock, archive_contents, check_not_locked, contents,
                            is_temporary, remove_interrupted_writes, require_fresh)
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
@@ -53,7 +53,7 @@ LATEST = "LATEST"
 MANIFEST = "checksums.json"
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
-DCP_METADATA = "dcp/.metadata"  # remoe.train.dcp
+DCP_METADATA = "dcp/.metadata"  # remoe.distributed.dcp
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 MANIFEST_KEY = "has_manifest"  # in every trainer state written with a manifest beside it
 
@@ -69,7 +69,7 @@ def _sha256(path: Path) -> str:
 def write_manifest(ckpt_dir: Path) -> None:
     """``checksums.json``: size and sha256 of every file; written last, before the rename (the
     writer lives with the saved model's code: a re-saved model directory regenerates it)."""
-    from remoe.hf.bundle import write_checksums
+    from remoe.model.bundle import write_checksums
 
     write_checksums(ckpt_dir)
 

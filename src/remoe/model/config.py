@@ -1,6 +1,6 @@
 """Model configuration: ``ReMoEConfig``, the transformers config built from a composed spec.
 
-The fields, their defaults and their checks live in :mod:`remoe.model_spec`, in three sections
+The fields, their defaults and their checks live in :mod:`remoe.model.spec`, in three sections
 (backbone, routing, sparsity control), each a dataclass validated once. ``ReMoEConfig`` stores
 them flat, one attribute per field, so that it serialises as a Hugging Face ``config.json``
 with the same keys as always (old ``config.json`` files load unchanged); ``cfg.backbone``,
@@ -17,8 +17,8 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from remoe import registry
-from remoe.model_spec import (EXPERT_BACKENDS, LAMBDA_UPDATES, LORY_FIRST_SEGMENT, PRESETS,
+from remoe.model import registry
+from remoe.model.spec import (EXPERT_BACKENDS, LAMBDA_UPDATES, LORY_FIRST_SEGMENT, PRESETS,
                               REG_TYPES, ROUTERS, SPARSITY_CONTROLS, TOKEN_IDS, BackboneConfig,
                               ModelSpec, RoutingConfig, SparsityControlConfig, defaults,
                               field_types)
@@ -36,11 +36,11 @@ def _attr(field: str) -> str:
 class ReMoEConfig(PretrainedConfig):
     """Configuration of :class:`remoe.ReMoEForCausalLM`.
 
-    Takes every field of :class:`~remoe.model_spec.BackboneConfig` (``hidden_size``,
+    Takes every field of :class:`~remoe.model.spec.BackboneConfig` (``hidden_size``,
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``ffn_hidden_size`` = 4 x hidden by
-    default, ...), :class:`~remoe.model_spec.RoutingConfig` (``router``, ``num_experts`` E,
+    default, ...), :class:`~remoe.model.spec.RoutingConfig` (``router``, ``num_experts`` E,
     ``top_k`` k, ``granularity`` G, each router's options) and
-    :class:`~remoe.model_spec.SparsityControlConfig` (``lambda0``, ``alpha``, ...) as keyword
+    :class:`~remoe.model.spec.SparsityControlConfig` (``lambda0``, ``alpha``, ...) as keyword
     arguments, plus transformers' own (token ids, ``tie_word_embeddings``, ...).
     """
 
@@ -141,7 +141,7 @@ class ReMoEConfig(PretrainedConfig):
         self.spec.validate()
 
 
-if __name__.split(".")[0] == "remoe":  # the package (not a copy bundled by remoe.hf.bundle)
+if __name__.split(".")[0] == "remoe":  # the package (not a copy bundled by remoe.model.bundle)
     AutoConfig.register("remoe", ReMoEConfig, exist_ok=True)
 
 # the constructor's keywords, for help() and inspect.signature (read by a few tools)

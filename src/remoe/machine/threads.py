@@ -13,7 +13,7 @@ The probes cost a few steps at the slower setting; a fixed ``train.num_threads=N
 The results of a step do not depend on the thread count, so tuning never changes the numbers:
 MKL's sgemm does give other bits at 2 threads than at 1 for products over a few rows (an expert
 that received 5-11 tokens, issue 29), and the fused experts run those on one thread
-(``remoe.model.experts.SMALL_MM_ROWS``); tests/reliability/test_thread_count.py trains at 1 and 2
+(``remoe.model.fused_cpu.SMALL_MM_ROWS``); tests/reliability/test_thread_count.py trains at 1 and 2
 threads and resumes at another count, bit for bit.
 """
 

@@ -74,7 +74,7 @@ def _check_options(name: str, options: type | None) -> None:
         return
     if not dataclasses.is_dataclass(options) or not isinstance(options, type):
         raise TypeError(f"router {name!r}: options= must be a dataclass class")
-    for f in dataclasses.fields(options):  # (remoe.model_spec refuses names of model fields)
+    for f in dataclasses.fields(options):  # (remoe.model.spec refuses names of model fields)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"router {name!r}: option {f.name!r} needs a default")
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from remoe import registry
-from remoe.model_spec import SparsityControlConfig
+from remoe.model import registry
+from remoe.model.spec import SparsityControlConfig
 
 _DEFAULT = SparsityControlConfig()
 
@@ -47,7 +47,7 @@ def _finite(sparsity) -> float:
 @dataclass
 class LambdaController:
     target_sparsity: float  # 1 - k/E
-    # defaults: the model config's control section (remoe.model_spec), declared there once
+    # defaults: the model config's control section (remoe.model.spec), declared there once
     lambda0: float = _DEFAULT.lambda0
     alpha: float = _DEFAULT.alpha
     value: float | None = None  # current lambda_i (None -> lambda0)
