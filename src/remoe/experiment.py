@@ -108,7 +108,7 @@ class TrainConfig:
     # directory (converted on the fly); the model: section then holds overrides only
     init_from: str | None = None
     # lambda at the first step of an init_from run (null: measured from the model, see
-    # remoe.train.init_from.initial_lambda; a run checkpoint's own lambda when it fits)
+    # remoe.train.init_lambda.initial_lambda; a run checkpoint's own lambda when it fits)
     init_lambda: float | None = None
 
     def validate(self) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from remoe.method.stages import (band_excursions, centered_mean, detect_stages, mean_std_after,
-                                   settle_index, trailing_mean)
+                                 settle_index, trailing_mean)
 
 TARGET = 1 - 1 / 8
 

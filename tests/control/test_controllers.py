@@ -9,7 +9,7 @@ import pytest
 from remoe import ReMoEConfig
 from remoe.errors import ConfigError
 from remoe.method.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
-                            SparsityControl, build_controller)
+                                   SparsityControl, build_controller)
 
 
 def test_pi_rule_on_a_hand_computed_sequence():
@@ -126,3 +126,25 @@ def test_sparsity_control_state_round_trip_and_format_guard():
     with pytest.raises(ValueError):
         b.load_state_dict(paper.state_dict())
     assert build_controller(ReMoEConfig.from_preset("micro", router="topk"), 2) is None
+
+
+def test_lambda_floor_bounds_the_fall_and_is_off_by_default():
+    """model.lambda_floor: a layer held sparser than its target drives lambda down without
+    bound (issue 25: 1e-30); with a floor it stops there and climbs back from it."""
+    cfg = ReMoEConfig.from_preset("micro", num_experts=8, sparsity_control="per_layer",
+                                  lambda_update="pi", lambda0=1e-3)
+    free = build_controller(cfg, 2)
+    floored = build_controller(ReMoEConfig.from_preset(
+        "micro", num_experts=8, sparsity_control="per_layer", lambda_update="pi", lambda0=1e-3,
+        lambda_floor=1e-6), 2)
+    for _ in range(400):  # layer 0 far too sparse, layer 1 on target
+        for c in (free, floored):
+            c.update(0.0, [0.99, 0.875], None)
+    assert free.layer_coeffs[0] < 1e-25
+    assert floored.layer_coeffs[0] == 1e-6
+    assert free.layer_coeffs[1] == floored.layer_coeffs[1]  # a layer on target: untouched
+    for _ in range(10):  # the layer turns dense: the floored lambda climbs from 1e-6
+        floored.update(0.0, [0.5, 0.875], None)
+    assert floored.layer_coeffs[0] == pytest.approx(1e-6 * 1.2 ** 10)
+    with pytest.raises(ConfigError, match="model.lambda_floor=-1"):
+        ReMoEConfig.from_preset("micro", lambda_floor=-1.0)

@@ -70,7 +70,7 @@ def test_disk_full_during_a_checkpoint(small_disk, train_argv, rd, capsys):
 
 def test_disk_full_while_writing_metrics(small_disk, monkeypatch):
     """ENOSPC on a metrics line is said as such; the lines before it stay readable."""
-    from remoe.train.trainer import MetricsWriter
+    from remoe.train.metrics import MetricsWriter
 
     out, _ = small_disk
     w = MetricsWriter(out / "metrics.jsonl", None)

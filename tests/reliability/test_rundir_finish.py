@@ -78,7 +78,7 @@ def _strict_line(line):
 
 @pytest.mark.parametrize("name", ["eval.jsonl", "metrics.jsonl"])
 def test_torn_last_line_is_dropped_with_a_warning(name, tmp_path, capsys):
-    from remoe.train.trainer import MetricsWriter
+    from remoe.train.metrics import MetricsWriter
 
     path = tmp_path / name
     good = [{"step": 3, "val_loss": 5.9}, {"step": 6, "val_loss": 5.8}]

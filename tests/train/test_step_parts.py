@@ -70,8 +70,12 @@ def test_step_control_without_controller_and_per_layer_reg_term():
     ctl.after_step(counts_LN, step_statistics(counts_LN, 1.0))
     assert seen == [[1.0, 0.0]]  # the routers' own update runs without a controller too
     assert ctl.record(None, None) == {}
-    assert StepControl.reg_term(2.0, 0.5, None, None) == 1.0
-    assert StepControl.reg_term(9.0, 0.5, [1.0, 3.0], [2.0, 1.0]) == (2.0 + 3.0) / 2
+    from remoe.method.losses import penalty
+
+    assert penalty(2.0, 0.5, None, None) == 1.0
+    assert penalty(9.0, 0.5, [1.0, 3.0], [2.0, 1.0]) == (2.0 + 3.0) / 2
+    reg_L = torch.tensor([2.0, 1.0])  # the loss's form: the same mean on tensors
+    assert float(penalty(9.0, 0.5, [1.0, 3.0], reg_L)) == (2.0 + 3.0) / 2
     assert ctl.record([1.0, 3.0], [2.0, 1.0]) == {"lambda_layers": [1.0, 3.0],
                                                   "reg_loss_layers": [2.0, 1.0]}
 

@@ -9,7 +9,9 @@ from remoe.rundir.loading import latest_checkpoint
 from remoe.train import checkpoint as ckpt_io
 from remoe.experiment import load_config
 from remoe.train.metrics import without_machine_keys as strip_timing
-from remoe.train.trainer import Trainer, TrainingDiverged, cosine_lr
+from remoe.train.optim import TrainingDiverged
+from remoe.train.schedule import cosine_lr
+from remoe.train.trainer import Trainer
 
 
 def read_jsonl(path):

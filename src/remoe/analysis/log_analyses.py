@@ -13,7 +13,7 @@ from remoe.analysis.common import Options, Skip, rel_files, write_csv, write_jso
 from remoe.analysis.flips import FlipSeries, flip_series
 from remoe.analysis.runlog import Run
 from remoe.method.stages import (Stages, band_excursions, centered_mean, detect_stages, log10_span,
-                          mean_std_after)
+                                 mean_std_after)
 
 
 def compute_stages(run: Run, opts: Options) -> Stages:

@@ -17,12 +17,12 @@ from remoe.method.stages import Stages, band_excursions, centered_mean, trailing
 from remoe.analysis.plotkit import DPI, new_figure, png_bytes, save_png
 from remoe.analysis.plotkit import colormap, layer_color, legend, positive, shade_stages, style_axes
 from remoe.analysis.plots_routing import (
-    fig_domain_allocation,
-    fig_routed_heatmap,
-    fig_specialization,
-    fig_token_allocation,
-    fig_top_tokens,
-)
+                                          fig_domain_allocation,
+                                          fig_routed_heatmap,
+                                          fig_specialization,
+                                          fig_token_allocation,
+                                          fig_top_tokens,
+                                          )
 
 __all__ = [
     "DPI",

@@ -1,1 +1,2 @@
-"""Parallelism applied from outside the model: process-group set-up, expert parallelism, FSDP2 and sharded (DCP) checkpoints, and the safe reader of DCP metadata."""
+"""Parallelism applied from outside the model: process-group set-up (``setup``), expert
+parallelism (``expert_parallel``), FSDP2 (``fsdp``) and sharded DCP checkpoints (``dcp``)."""

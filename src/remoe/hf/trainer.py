@@ -17,7 +17,7 @@ objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.metho
 * ``lambda``, ``sparsity`` and ``reg_loss`` are added to the Trainer's training logs.
 
 Lambda starts (``init_lambda``) where it fits the model (``"auto"``, the rule of
-``remoe train --set train.init_from``, :func:`remoe.train.init_from.pick_lambda`): the lambda
+``remoe train --set train.init_from``, :func:`remoe.train.init_lambda.pick_lambda`): the lambda
 the remoe run that saved the model ended with, else the gradient balance at the routers on the
 first micro-batch when the model is denser than its target, else ``model.lambda0``; or the
 config's ``lambda0`` (``"config"``: the paper's start, meant for training from scratch); or a
@@ -108,7 +108,7 @@ class SparsityLoop:
         if isinstance(init_lambda, (int, float)) and self.controller is not None:
             self._start([float(init_lambda)], "init_lambda")
         elif init_lambda == "auto" and self.controller is not None:
-            from remoe.train.init_from import saved_lambda
+            from remoe.train.init_lambda import saved_lambda
 
             where = getattr(cfg, "_name_or_path", "") or ""
             saved = saved_lambda(Path(where), cfg) if where and Path(where).is_dir() else None
@@ -124,7 +124,7 @@ class SparsityLoop:
         self.micro = 0
 
     def _start(self, values: list[float], rule: str) -> None:
-        from remoe.train.init_from import start_controller
+        from remoe.train.init_lambda import start_controller
 
         start_controller(self.controller, values)
         self.started, self.lambda_rule = True, rule
@@ -132,7 +132,7 @@ class SparsityLoop:
     def measure(self, model, inputs: dict[str, Any]) -> None:
         """``init_lambda="auto"``: lambda from the gradient balance on this micro-batch (the
         router weights get gradients for the measurement only)."""
-        from remoe.train.init_from import initial_lambda, pick_lambda
+        from remoe.train.init_lambda import initial_lambda, pick_lambda
 
         weights = [r.weight for r in self.routers]
         was = [w.requires_grad for w in weights]

@@ -1,1 +1,2 @@
-"""The machine a run is on: thread count, allocator, the GEMM rate probe, host-sync counting."""
+"""The machine a run is on: intra-op threads (``threads``), the host allocator
+(``allocator``), the GEMM-rate probe (``perf``), host-synchronisation counting (``syncs``)."""

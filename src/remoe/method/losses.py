@@ -97,10 +97,21 @@ def total_loss(out: Any, coeff: float = 0.0, layer_coeffs: list[float] | None = 
     (``model.sparsity_control=per_layer``), which then replaces ``coeff``.
     """
     aux = out.aux
-    if layer_coeffs is None:  # the paper: one lambda times the mean over layers
-        return out.loss + coeff * aux.reg_loss + aux.aux_loss
-    lam_L = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype, device=aux.reg_losses_L.device)
-    return out.loss + (lam_L * aux.reg_losses_L).mean() + aux.aux_loss
+    reg_L = aux.reg_losses_L if layer_coeffs is not None else None
+    return out.loss + penalty(coeff, aux.reg_loss, layer_coeffs, reg_L) + aux.aux_loss
+
+
+def penalty(coeff: Any, reg: Any, layer_coeffs: list[float] | None = None,
+            reg_L: Any = None) -> Any:
+    """lambda * L_reg, the one definition: the paper's single lambda times L_reg (the mean over
+    MoE layers), or with per-layer control the mean of lambda_l * L_reg,l. On tensors for the
+    loss (:func:`total_loss`), on floats for the logged value of a step."""
+    if layer_coeffs is None:
+        return coeff * reg
+    if isinstance(reg_L, torch.Tensor):
+        lam_L = torch.tensor(layer_coeffs, dtype=reg_L.dtype, device=reg_L.device)
+        return (lam_L * reg_L).mean()
+    return sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L)
 
 
 @dataclass(frozen=True)

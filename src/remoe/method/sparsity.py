@@ -56,6 +56,7 @@ class LambdaController:
     kp: float = _DEFAULT.lambda_pi_kp  # pi: weight of the change in relative density error
     ki: float = _DEFAULT.lambda_pi_ki  # pi: weight of the relative density error
     prev_error: float | None = None  # pi: e_{i-1}
+    floor: float = _DEFAULT.lambda_floor  # lambda never falls below this (0: no floor)
 
     def __post_init__(self) -> None:
         if self.value is None:
@@ -80,6 +81,8 @@ class LambdaController:
             self.value = float(self.value) * self.alpha ** sign
         else:
             self.value = float(self.value) * self.alpha ** self.pi_step(sparsity)
+        if self.floor > 0 and self.value < self.floor:  # (configuration, not checkpointed)
+            self.value = float(self.floor)
         self.steps += 1
         return self.value
 
@@ -268,7 +271,7 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
 
     def one() -> LambdaController:
         return LambdaController(target, c.lambda0, c.alpha, rule=c.lambda_update,
-                                kp=c.lambda_pi_kp, ki=c.lambda_pi_ki)
+                                kp=c.lambda_pi_kp, ki=c.lambda_pi_ki, floor=c.lambda_floor)
 
     lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)]) \
         if c.sparsity_control == "per_layer" else one()

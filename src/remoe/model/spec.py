@@ -276,6 +276,10 @@ class SparsityControlConfig:
     lambda_pi_kp: float = 1.0
     # ki = 1 measured best (issue 25): 0.25 left a layer 0.15 under target after 300 steps
     lambda_pi_ki: float = 1.0
+    # lambda never falls below this (0: no floor, the paper). Under per-layer control a layer
+    # sparser than its target drives its lambda down without bound (1e-30 after 1,200 steps,
+    # issue 25), and it takes hundreds of steps to climb back when that layer turns denser
+    lambda_floor: float = 0.0
     revive_after: int = 0  # hand experts starving this many steps to the revival hinge (0: off)
     # an expert starves in a step when it gets at most this share of the step's tokens
     # (0: only an expert with no token; 1/64: paper Fig. 7's "inactive")
@@ -295,7 +299,7 @@ class SparsityControlConfig:
         _one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
         _one_of(self, "lambda_update", LAMBDA_UPDATES, p)
         _one_of(self, "revive_method", REVIVE_METHODS, p)
-        _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki"), p)
+        _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki", "lambda_floor"), p)
         _need(_int(self.revive_after) and self.revive_after >= 0,
               f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")
         _need(_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,

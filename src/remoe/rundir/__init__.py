@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from remoe.rundir.files import (DiskFullError, JsonlAppender, atomic_write_text, dumps_json,
-                            finite_or_none, fsync_dir, fsync_tree, is_disk_full, read_jsonl,
-                            say, temp_path, warn, writing)
+                                finite_or_none, fsync_dir, fsync_tree, is_disk_full, read_jsonl,
+                                say, temp_path, warn, writing)
 from remoe.rundir.lock import (LOCK_FILE, RunLock, archive_contents, check_not_locked, contents,
-                           is_temporary, remove_interrupted_writes, require_fresh)
+                               is_temporary, remove_interrupted_writes, require_fresh)
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
     "CHECKPOINT_RE", "DiskFullError", "JsonlAppender", "LATEST", "LOCK_FILE", "MANIFEST",

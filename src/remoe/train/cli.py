@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     check_fits(cfg)  # a model or batch that cannot fit: one line now, not an allocator error later
     _prepare_run_dir(cfg, args)  # before any data or model work
     from remoe.machine.allocator import configure as configure_allocator
-    from remoe.train.trainer import Trainer, TrainingDiverged, format_summary
+    from remoe.train.metrics import format_summary
+    from remoe.train.optim import TrainingDiverged
+    from remoe.train.trainer import Trainer
 
     configure_allocator(args.allocator, "remoe train",
                         may_reexec=getattr(args, "owns_process", False))

@@ -80,14 +80,6 @@ class StepControl:
                 revival.revived(layer, e)
             self.splits.append(int(pair is not None))
 
-    @staticmethod
-    def reg_term(coeff: float, reg: float, layer_coeffs: list[float] | None,
-                 reg_L: list[float] | None) -> float:
-        """lambda * L_reg as the step's loss used it (per-layer: the mean of lambda_l L_reg,l)."""
-        if reg_L is None:
-            return coeff * reg
-        return sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L)
-
     def record(self, layer_coeffs: list[float] | None, reg_L: list[float] | None) -> dict[str, Any]:
         """Metrics of the sparsity-control options (nothing for the paper's controller)."""
         rec: dict[str, Any] = {}

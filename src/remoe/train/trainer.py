@@ -33,7 +33,7 @@ from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
-from remoe.method.losses import step_statistics, total_loss
+from remoe.method.losses import penalty, step_statistics, total_loss
 from remoe.method.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.accumulate import StepSums
@@ -47,16 +47,10 @@ from remoe.train.progress import ProgressLines, open_progress, stats_text
 from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
 from remoe.train.resume import load_full_checkpoint, logged_eval, start_run_dir
 from remoe.train.runtime import setup_runtime
-# the parts of the trainer, re-exported here for existing imports
-from remoe.distributed.setup import DistInfo, init_distributed, resolve_device  # noqa: F401
-from remoe.train.masks import round_robin as _round_robin  # noqa: F401
-from remoe.train.metrics import (MetricsWriter, format_summary, open_tensorboard,  # noqa: F401
-                                 run_summary)
-from remoe.train.optim import (TrainingDiverged, apply_gradients, build_optimizer,  # noqa: F401
-                               check_finite_losses, clip_gradients, finish_and_clip, set_lr,
-                               update)
-from remoe.train.rng import rng_state, set_rng_state, to_weights_only  # noqa: F401
-from remoe.train.schedule import cosine_lr  # noqa: F401
+from remoe.train.metrics import MetricsWriter, open_tensorboard, run_summary
+from remoe.train.optim import build_optimizer, check_finite_losses, finish_and_clip, set_lr, update
+from remoe.train.rng import rng_state, set_rng_state, to_weights_only
+from remoe.train.schedule import cosine_lr
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -123,7 +117,7 @@ class Trainer:
         self.control = StepControl(self.controller, self.token_routers,
                                    [getattr(f, "experts", None) for f in routed])
         if self.init is not None and self.controller is not None and self.init.lambdas:
-            from remoe.train.init_from import start_controller
+            from remoe.train.init_lambda import start_controller
 
             start_controller(self.controller, self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
@@ -175,7 +169,7 @@ class Trainer:
         """``train.init_from``: the source's model with the config's overrides and its lambda
         (remoe.train.init_from); on ``--resume``, the run's recorded model config (the
         weights then come from the run's checkpoint)."""
-        from remoe.train import init_from
+        from remoe.train import init_from, init_lambda
 
         if resume:
             model = init_from.from_record(self.run_dir)
@@ -186,8 +180,8 @@ class Trainer:
         model = self.init.model.to(self.device)
         if model.config.uses_adaptive_reg:
             input_ids, _ = self.sampler.batch(0, 0, self.dist.rank)
-            init_from.choose_lambda(self.init, self.cfg.train.init_lambda,
-                                    input_ids.to(self.device), self.dist.enabled)
+            init_lambda.choose_lambda(self.init, self.cfg.train.init_lambda,
+                                      input_ids.to(self.device), self.dist.enabled)
         return model
 
     def _barrier(self) -> None:
@@ -322,8 +316,7 @@ class Trainer:
         self.elapsed += dt
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops, "lr": lr,
-            "loss": tot.lm + self.control.reg_term(coeff, tot.reg, layer_coeffs, tot.reg_L)
-            + tot.aux,
+            "loss": tot.lm + penalty(coeff, tot.reg, layer_coeffs, tot.reg_L) + tot.aux,
             "lm_loss": tot.lm, "reg_loss": tot.reg, "aux_loss": tot.aux,
             "lambda": coeff, "sparsity": stats.sparsity, "layer_sparsity": stats.layer_sparsity,
             "expert_counts": tot.counts_LN.tolist(), "active_k": stats.active_k,
