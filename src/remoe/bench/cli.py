@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
     import torch  # here, not at the top: `remoe bench --help` stays fast
 
+    from remoe.machine import perf
+
     t_start = time.perf_counter()
     suite = args.suite
     out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
@@ -201,7 +203,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
     basis = "process CPU time (1 thread)" if metric == "cpu_ms" else "wall time"
     print("smoke run: no target is judged; ratios use " + basis if args.quick
           else f"targets are judged on {basis}")
-    ceiling = common.matmul_ceiling(quick=args.quick)
+    ceiling = perf.matmul_ceiling(quick=args.quick)
     res["machine_ceiling"] = ceiling
     print(f"machine ceiling: fp32 matmul {ceiling['matmul_fp32_gflops']:.1f} GFLOP/s "
           f"({ceiling['matmul_fp32_gflops_per_cpu_s']:.1f} per CPU second)")

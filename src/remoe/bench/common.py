@@ -219,20 +219,3 @@ def machine_info(allocator: str | None = None) -> dict:
         "loadavg_start": loadavg(),
         "busy_processes_start": busy_processes(),
     }
-
-
-def matmul_ceiling(quick: bool = False, reps: int = 5) -> dict:
-    """Measured fp32 ``torch.mm`` FLOP/s: the best median over a few square and FFN-like shapes."""
-    shapes = [(512, 512, 512)] if quick else [(1024, 1024, 1024), (2048, 2048, 2048),
-                                               (4096, 256, 2048), (4096, 1024, 256)]
-    rows = []
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        out = torch.empty(m, n)
-        s = time_interleaved({"mm": lambda: torch.mm(a, b, out=out)}, reps=2 if quick else reps)["mm"]
-        rows.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s.wall / 1e9,
-                     "gflops_per_cpu_s": 2 * m * k * n / s.cpu / 1e9})
-    return {"matmul_fp32_gflops": max(r["gflops"] for r in rows),
-            # FLOPs per second of process CPU time: the ceiling of one busy core when 1 thread
-            "matmul_fp32_gflops_per_cpu_s": max(r["gflops_per_cpu_s"] for r in rows),
-            "shapes": rows}

@@ -17,7 +17,7 @@ A run that finished is not estimated: its FLOPs are read from its ``summary.json
 validation and mask recording are added as forward passes (1/3 of a training FLOP per token).
 
 CPU time = FLOPs / (probe x :data:`EFFICIENCY`), where the probe is the machine's fp32 GEMM
-rate per CPU second on one thread (:func:`remoe.bench.common.matmul_ceiling`, a 512^3 ``mm``:
+rate per CPU second on one thread (:func:`remoe.machine.perf.matmul_ceiling`, a 512^3 ``mm``:
 ~0.1 s) and EFFICIENCY the share of it a whole training step reaches at the study's sizes
 (attention, softmax, dispatch, optimizer, evaluation, checkpoints, Python), plus a fixed
 :data:`RUN_OVERHEAD_CPU_S` per run.
@@ -143,7 +143,7 @@ def probe_gflops() -> float:
     """fp32 GEMM GFLOP per CPU second on one thread (a quick 512^3 probe)."""
     import torch
 
-    from remoe.bench.common import matmul_ceiling
+    from remoe.machine.perf import matmul_ceiling
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
