@@ -1,8 +1,10 @@
-"""Experiment configs: YAML files mapped one to one onto dataclasses, with ``--set`` overrides.
+"""Experiment configs: YAML files (or dicts) mapped onto dataclasses, with ``--set`` overrides.
 
-An experiment has five sections: ``run`` (:class:`RunConfig`), ``model`` (``preset`` and the
-fields of the three model sections of :mod:`remoe.model.spec`, flat), ``data`` (:class:`remoe.data.DataConfig`),
-``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
+Below every command that runs one (train, data, study, bench): :func:`load_config` takes a
+path, a dict of sections or nothing (the defaults), :func:`config_path` finds the file a
+command reads (:data:`DEFAULT_CONFIG` without one). An experiment has five sections: ``run``
+(:class:`RunConfig`), ``model`` (``preset`` and the fields of the three model sections of
+:mod:`remoe.model.spec`, flat), ``data`` (:class:`remoe.data.DataConfig`), ``train`` (:class:`TrainConfig`) and ``analysis`` (:class:`AnalysisConfig`). Unknown keys,
 duplicate keys, wrong types, non-finite numbers, impossible values, a file that is not UTF-8
 YAML, a section that is not a mapping and a run directory that cannot be one raise
 :class:`ConfigError` naming the field, before any data or model work starts.

@@ -4,9 +4,9 @@ The fields, their defaults and their checks live in :mod:`remoe.model.spec`, in 
 (backbone, routing, sparsity control), each a dataclass validated once. ``ReMoEConfig`` stores
 them flat, one attribute per field, so that it serialises as a Hugging Face ``config.json``
 with the same keys as always (old ``config.json`` files load unchanged); ``cfg.backbone``,
-``cfg.routing`` and ``cfg.control`` give the sections back. The MoE layer gets its own small
-dataclass (:class:`remoe.model.moe.MoEConfig`) from the routing section
-(:meth:`ReMoEConfig.moe_config`), so the layer can be used without the rest of the model.
+``cfg.routing`` and ``cfg.control`` give the sections back. The MoE layer's config
+(:class:`remoe.model.moe.MoEConfig`, :meth:`ReMoEConfig.moe_config`) holds the routing section
+itself plus the widths it needs, so the layer can be used without the rest of the model.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""The model config as three sections, each a small dataclass validated once (no torch/transformers).
+"""The model config as three sections, each a dataclass validated once (no torch, no transformers).
 
-* :class:`BackboneConfig` — the LLaMA backbone (widths, depth, heads, RoPE, norms, init);
-* :class:`RoutingConfig` — the FFN slot: ``router`` (any name of :mod:`remoe.model.registry`), E, k,
-  G, and every router's own options;
-* :class:`SparsityControlConfig` — what the sparsity controller (:mod:`remoe.method.sparsity`) reads:
-  ``lambda0``, ``alpha``, the update rule, per-layer control and expert revival.
+* :class:`BackboneConfig`: the LLaMA backbone (widths, depth, heads, RoPE, norms, init);
+* :class:`RoutingConfig`: the FFN slot: ``router`` (a name of :mod:`remoe.model.registry`), E, k,
+  G, every built-in router's options, and a user router's own (``router_options``);
+* :class:`SparsityControlConfig`: what the controller (:mod:`remoe.method.sparsity`) reads.
 
-:class:`ModelSpec` composes them. :class:`remoe.ReMoEConfig` (the transformers config) is built
-from a ``ModelSpec`` and stays flat, so ``config.json`` keeps one key per field; the YAML
-``model:`` section is flat too (``model.num_experts``, ...). A field lives in exactly one
-section: to add one, add it (type, default, comment) to its dataclass and its check to that
-class's ``validate`` — the YAML loader, ``ReMoEConfig`` and ``config.json`` pick it up.
+:class:`ModelSpec` composes them; :class:`remoe.ReMoEConfig` and the YAML ``model:`` section
+store them flat (one ``config.json`` key per field). A field is declared once, in its section,
+with its default and its check; the loader, ``ReMoEConfig``, ``config.json`` and the MoE layer
+(which holds the routing section itself) pick it up.
 
-This module imports neither torch nor transformers, so ``remoe train --print-config`` and config
-errors stay fast (a router module, which needs torch, is imported only if its class adds checks:
-:data:`remoe.model.registry.BUILTINS_WITH_CHECKS`).
+Without torch, ``remoe train --print-config`` and config errors stay fast (a router module is
+imported only if its class adds checks: :data:`remoe.model.registry.BUILTINS_WITH_CHECKS`).
 """
 
 from __future__ import annotations
@@ -236,7 +233,8 @@ class RoutingConfig:
         _nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
                                   "blockffn_locality_coeff", "balance_bias_rate"), p)
         # (the router's class is imported, torch with it, only when the option is set)
-        _need(self.balance_bias_rate == 0 or registry.declares(self.router, "balance_offsets"),
+        _need(self.balance_bias_rate == 0
+              or getattr(registry.resolve(self.router), "balance_offsets", False),
               f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of routers with "
               f"balancing offsets (relu), not {p}router={self.router!r} (topk_auxfree has "
               "bias_update_rate)")
@@ -276,9 +274,8 @@ class SparsityControlConfig:
     lambda_pi_kp: float = 1.0
     # ki = 1 measured best (issue 25): 0.25 left a layer 0.15 under target after 300 steps
     lambda_pi_ki: float = 1.0
-    # lambda never falls below this (0: no floor, the paper). Under per-layer control a layer
-    # sparser than its target drives its lambda down without bound (1e-30 after 1,200 steps,
-    # issue 25), and it takes hundreds of steps to climb back when that layer turns denser
+    # lambda never falls below this (0: no floor, the paper); per-layer, a layer sparser than
+    # its target drove its lambda to 1e-30 and back up over hundreds of steps (issue 25)
     lambda_floor: float = 0.0
     revive_after: int = 0  # hand experts starving this many steps to the revival hinge (0: off)
     # an expert starves in a step when it gets at most this share of the step's tokens
@@ -325,8 +322,8 @@ def section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
 
 
 @dataclass(frozen=True)
-class _NoOptions:
-    """The options of a router that declares none."""
+class _NoOptions:  # the options of a router that declares none
+    pass
 
 
 def user_options_class(router: Any, router_module: Any = None) -> type | None:
