@@ -134,7 +134,10 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]
     train/data/analysis fields and run.seed present in both warn."""
     a, b = _model_fields(old.get("model")), _model_fields(new.get("model"))
     refused, warned = [], []
-    for k in sorted(set(a) | set(b)):
+    # fields a config names come first: a changed hidden_size also changes the default
+    # ffn_hidden_size, and the one line should name the field the user changed
+    named = set(old.get("model") or {}) | set(new.get("model") or {})
+    for k in sorted(set(a) | set(b), key=lambda k: (k not in named, k)):
         if a.get(k) != b.get(k):
             (warned if k in RUNTIME_MODEL_FIELDS else refused).append((f"model.{k}", b.get(k),
                                                                        a.get(k)))
