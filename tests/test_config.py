@@ -345,3 +345,54 @@ def test_every_routing_and_control_field_is_declared_once():
     sections = {"RoutingConfig", "SparsityControlConfig"}
     assert all(v[0].split(":")[1] in sections for v in found.values()), found
     assert len(found) >= len(names) - 1  # router_options has no literal default
+
+
+def test_a_user_routers_options_are_model_fields(tmp_path):
+    """register_router(options=...): the options go through ReMoEConfig, config.json, the
+    layer's config and replace(), are type-checked, and may not shadow a model field."""
+    import dataclasses
+
+    from remoe import register_router
+    from remoe.model.moe import MoEConfig
+    from remoe.model.routers.relu import ReLURouter
+
+    @dataclasses.dataclass(frozen=True)
+    class Opts:
+        sharpness: float = 1.0
+        mode: str = "a"
+
+    @register_router("relu_opts_cfgtest", options=Opts)
+    class R(ReLURouter):
+        pass
+
+    cfg = ReMoEConfig(**MICRO, router="relu_opts_cfgtest", sharpness=2.5)
+    assert (cfg.sharpness, cfg.mode) == (2.5, "a")  # set and defaulted, stored flat
+    cfg.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["sharpness"] == 2.5 and data["mode"] == "a"
+    assert data["router_module"] == __name__  # recorded, so the model loads where it imports
+    again = ReMoEConfig.from_pretrained(tmp_path)
+    assert again.routing == cfg.routing and again.routing.sharpness == 2.5
+    layer = cfg.moe_config()
+    assert layer.sharpness == 2.5 and layer.routing.replace(mode="b").mode == "b"
+    assert isinstance(MoEConfig(d_model=8, d_ffn=16, router="relu_opts_cfgtest").routing
+                      .router_options, Opts)
+    with pytest.raises(ConfigError, match=r"model.sharpness='x' must be of type float"):
+        ReMoEConfig(**MICRO, router="relu_opts_cfgtest", sharpness="x")
+    from remoe.model.spec import ModelSpec
+
+    with pytest.raises(ConfigError, match="unknown key model.sharpnes "):
+        ModelSpec.from_flat({"router": "relu_opts_cfgtest", "sharpnes": 1.0})
+    with pytest.raises(ConfigError, match="unknown key model.sharpness "):  # not the router's
+        ModelSpec.from_flat({"router": "relu", "sharpness": 1.0})
+
+    @dataclasses.dataclass(frozen=True)
+    class Clash:
+        lb_coeff: float = 0.5
+
+    @register_router("relu_clash_cfgtest", options=Clash)
+    class C(ReLURouter):
+        pass
+
+    with pytest.raises(ConfigError, match="declares option 'lb_coeff', which is already a model"):
+        ReMoEConfig(**MICRO, router="relu_clash_cfgtest")
