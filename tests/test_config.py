@@ -347,12 +347,17 @@ def test_every_routing_and_control_field_is_declared_once():
     assert len(found) >= len(names) - 1  # router_options has no literal default
 
 
-def test_a_user_routers_options_are_model_fields(tmp_path):
+def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
     """register_router(options=...): the options go through ReMoEConfig, config.json, the
     layer's config and replace(), are type-checked, and may not shadow a model field."""
     import dataclasses
 
     from remoe import register_router
+    from remoe.model import registry
+
+    # the registry is process-wide: this test's routers leave with it
+    monkeypatch.setattr(registry, "_user", dict(registry._user))
+    monkeypatch.setattr(registry, "_options", dict(registry._options))
     from remoe.model.moe import MoEConfig
     from remoe.model.routers.relu import ReLURouter
 
