@@ -156,14 +156,12 @@ class SparsityLoop:
 
     def loss_term(self, out, scale: float) -> torch.Tensor:
         """``(lambda * L_reg + L_aux) * scale`` of one training micro-batch; sums its counts."""
+        from remoe.method.losses import penalty
+
         aux = out.aux
         coeff, layer_coeffs = self.control.coeffs()
-        if layer_coeffs is None:
-            extra = coeff * aux.reg_loss + aux.aux_loss
-        else:
-            lam = torch.tensor(layer_coeffs, dtype=aux.reg_losses_L.dtype,
-                               device=aux.reg_losses_L.device)
-            extra = (lam * aux.reg_losses_L).mean() + aux.aux_loss
+        reg_L = aux.reg_losses_L if layer_coeffs is not None else None
+        extra = penalty(coeff, aux.reg_loss, layer_coeffs, reg_L) + aux.aux_loss
         counts = aux.active_counts_LN.detach().double()
         self.counts_LN = counts if self.counts_LN is None else self.counts_LN + counts
         self.tokens += float(aux.num_tokens)
