@@ -274,7 +274,11 @@ def finish_save(model, directory: str | os.PathLike) -> None:
     if _in_package() and not (d / CARD_FILE).exists():
         import importlib
 
-        card = importlib.import_module(__name__.rsplit(".", 1)[0] + ".card")
+        # the card describes the run a model came from (remoe.rundir.card): written when remoe
+        # itself saves, never part of the bundled code, so its name is joined here rather than
+        # written as one string (the bundler follows such strings) -- the one reach of model/
+        # above itself
+        card = importlib.import_module(".".join(("remoe", "rundir", "card")))
         card.write_card(d, model)
     mode = new_file_mode()
     for p in d.iterdir():
