@@ -16,8 +16,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "remoe"
 #: package's ``cli.py`` and ``remoe/cli.py`` may import anything.
 ALLOWED = {
     "errors": set(),
+    "lazy": set(),  # PEP 562 lazy public names of the light packages
     "safeyaml": {"errors"},
-    "model": {"errors"},  # everything a saved model needs, its bundled code included
+    "model": {"errors", "lazy"},  # everything a saved model needs, its bundled code included
     "machine": {"errors"},
     "method": {"errors", "model"},
     "data": {"errors", "safeyaml"},
@@ -26,7 +27,7 @@ ALLOWED = {
     "distributed": {"errors", "model", "rundir"},
     "convert": {"errors", "model", "rundir"},
     "eval": {"errors", "model", "method", "data", "rundir", "machine"},
-    "analysis": {"errors", "model", "method", "data", "rundir", "machine"},
+    "analysis": {"errors", "lazy", "model", "method", "data", "rundir", "machine"},
     "train": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
               "distributed", "convert"},
     "hf": {"errors", "model", "method", "data", "experiment", "rundir", "train"},
@@ -35,7 +36,7 @@ ALLOWED = {
               "distributed", "train", "cli"},
     "study": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
               "analysis", "bench", "train"},
-    "__init__": {"errors", "model", "method"},  # `import remoe`: lazy public names
+    "__init__": {"errors", "lazy", "model", "method"},  # `import remoe`: lazy public names
 }
 #: modules that name routers because that is their subject: the converters write a `topk` or
 #: `relu` model and upcycle a `dense` one, the router swap turns softmax weights into ReLU ones,

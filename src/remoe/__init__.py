@@ -9,10 +9,8 @@ transformers' ``AutoConfig`` / ``AutoModelForCausalLM``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from remoe.errors import ConfigError
+from remoe.lazy import lazy_names
 from remoe.model.registry import register_router
 
 __version__ = "0.1.0"
@@ -31,15 +29,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'remoe' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = ["ConfigError", "register_router", "__version__", *_LAZY]

@@ -7,7 +7,7 @@
 ratios, domain specialisation, dynamic allocation, top tokens per expert).
 """
 
-import importlib
+from remoe.lazy import lazy_names
 
 # public name -> its module, imported on first use (PEP 562): `remoe analyze --help` and
 # `remoe report --help` must not import torch
@@ -20,7 +20,4 @@ _LAZY = {"FlipSeries": "remoe.analysis.flips", "flip_rate": "remoe.analysis.flip
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'remoe.analysis' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -10,8 +10,7 @@ registers the model with transformers' ``AutoModelForCausalLM``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from remoe.lazy import lazy_names
 
 _LAZY = {
     "ReMoEConfig": "remoe.model.config",
@@ -24,15 +23,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'remoe.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = list(_LAZY)

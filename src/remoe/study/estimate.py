@@ -77,14 +77,14 @@ def tokens_per_step(config: dict[str, dict[str, Any]]) -> int:
 
 def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:
     """Active (token, expert) pairs per token summed over layers, as the trainer would count
-    them at ``step`` (None: after every warm-up / stage I): the router's own
-    ``expected_pairs`` (FFN kinds without one: k*G)."""
+    them at ``step`` (None: after every warm-up / stage I): the router's ``expected_pairs``."""
     if not mc.is_moe:
         return 0.0
-    r = mc.routing
-    expected = getattr(registry.resolve(r.router), "expected_pairs", None)
-    per_layer = expected(r, step, steps_dense) if expected else r.top_k * r.granularity
-    return float(mc.num_layers * per_layer)
+    from remoe.model.routers.base import Router
+
+    r = mc.routing  # FFN kinds (Lory) have no expected_pairs of their own: the router default
+    expected = getattr(registry.resolve(r.router), "expected_pairs", Router.expected_pairs)
+    return float(mc.num_layers * expected(r, step, steps_dense))
 
 
 def relu_dense_steps(mc) -> int:
