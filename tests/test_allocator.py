@@ -68,7 +68,7 @@ def test_auto_never_restarts_a_process_it_does_not_own():
 
 @pytest.mark.skipif(allocator.tcmalloc_path() is None, reason="libtcmalloc-minimal4 not installed")
 def test_auto_restarts_the_command_with_tcmalloc_preloaded():
-    code = ("import os, sys; from remoe import allocator; "
+    code = ("import os, sys; from remoe.machine import allocator; "
             "print(allocator.configure('auto', 'probe')); print(os.environ.get('LD_PRELOAD'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()

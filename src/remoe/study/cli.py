@@ -163,10 +163,10 @@ def _run_threads(run_dir: Path) -> int:
     return int(good[-1][1].get("threads") or 1) if good else 1
 
 
-def export_finished(study, log=print) -> list[str]:
-    """Copy every run finished (and evaluated) in the study directory to the spec's
-    ``results:`` directory (:func:`remoe.study.archive.export_run`) where the copy is missing
-    or older; returns the names copied."""
+def export_finished(study, log=print, only: str | None = None) -> list[str]:
+    """Copy every run finished (and evaluated) in the study directory (or just the run named
+    ``only``) to the spec's ``results:`` directory (:func:`remoe.study.archive.export_run`)
+    where the copy is missing or older; returns the names copied."""
     from remoe.study.archive import export_run, up_to_date
 
     results = study.spec.results_dir
@@ -180,6 +180,8 @@ def export_finished(study, log=print) -> list[str]:
             state = {}
     copied = []
     for r in study.spec.runs:
+        if only is not None and r.name != only:
+            continue
         d, dest = study.run_dir(r), results / "runs" / r.name
         if not (d / "summary.json").is_file() or not study.done(r) or up_to_date(d, dest):
             continue
@@ -232,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--reuse {d!r}: not a directory")
     study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only),
                   reuse=tuple(Path(d) for d in args.reuse))
+    study.on_done = lambda r: export_finished(study, only=r.name)
     if args.dry_run:
         dry_run(study, gflops=args.gflops)
         return 0

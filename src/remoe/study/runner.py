@@ -61,6 +61,10 @@ class Study:
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
     reuse: tuple[Path, ...] = ()  # other study directories whose identical finished runs count
+    #: called with each run the moment it is done (trained and evaluated), after study.json is
+    #: written: the CLI copies its small outputs to the spec's ``results:`` directory then, so a
+    #: study cut off later has every finished run's copy ready to commit
+    on_done: Callable[[RunSpec], None] | None = None
     states: dict[str, RunState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -397,6 +401,8 @@ class Study:
             self.log(f"  FAILED {r.name}: exit status {code} (log {self.log_path(r)}); last lines:\n"
                      + "\n".join("    | " + ln for ln in lines))
         self.write_state("running")
+        if st.state == "done" and self.on_done is not None:
+            self.on_done(r)
 
     def _count_lost_attempt(self, r: RunSpec, st: RunState) -> None:
         """An earlier study process died (kill -9, machine stopped) while this child ran, so
