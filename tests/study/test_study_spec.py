@@ -165,3 +165,19 @@ def test_eval_section_and_train_config_errors(write_spec, tmp_path):
     train_cfg.write_text("model:\n  router: relu\ntrain:\n  max_steps: 3\n")
     with pytest.raises(ConfigError, match="is a remoe train config .* base_config"):
         load_spec(train_cfg)
+
+
+def test_every_shipped_spec_expands_into_valid_runs():
+    """The specs under configs/study/ (the commands docs/RESULTS.md gives) load, expand and
+    validate every run's config, so a doc's regenerating command cannot fail on its spec."""
+    from pathlib import Path
+
+    from remoe.study.spec import load_spec
+
+    specs = sorted((Path(__file__).resolve().parents[2] / "configs" / "study").glob("*.yaml"))
+    specs = [p for p in specs if p.name != "backbone.yaml"]  # a base config, not a spec
+    assert len(specs) >= 8
+    for p in specs:
+        spec = load_spec(p)
+        assert spec.runs, p.name
+        assert len({r.name for r in spec.runs}) == len(spec.runs), p.name
