@@ -234,7 +234,17 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--reuse {d!r}: not a directory")
     study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only),
                   reuse=tuple(Path(d) for d in args.reuse))
-    study.on_done = lambda r: export_finished(study, only=r.name)
+
+    def copy_now(r) -> None:
+        # a failed copy must not stop the trainings still running: the end of the study and
+        # --results-only copy it again
+        try:
+            export_finished(study, only=r.name)
+        except OSError as e:
+            print(f"remoe study: warning: could not copy {r.name} to {spec.results_dir} ({e}); "
+                  "the end of the study and --results-only try again")
+
+    study.on_done = copy_now
     if args.dry_run:
         dry_run(study, gflops=args.gflops)
         return 0
