@@ -223,21 +223,21 @@ def test_continued_run_whose_source_is_only_committed_is_skipped_with_the_reason
 
 def test_each_run_is_copied_the_moment_it_is_done(write_spec, tmp_path):
     """A study cut off after its first run finished still has that run's copy to commit: the
-    CLI's on_done hook exports each run as it is done, not at the end of the study."""
-    from remoe.study.cli import export_finished
-
+    runner copies each run as it is done, not at the end of the study."""
     spec = write_spec({"results": "committed", "seeds": [0],
                        "groups": [{"name": "g", "grid": {"model.router": ["topk", "relu"]}}]})
     study = Study(load_spec(spec), tmp_path / "out", command=_stub, log=lambda m: None)
     seen = []
+    copy = study.copy_to_results
 
-    def hook(r):
-        export_finished(study, log=lambda m: None, only=r.name)
+    def watch(r):
+        copied = copy(r)
         runs = tmp_path / "committed" / "runs"
         seen.append((r.name, sorted(p.name for p in runs.iterdir())))
         wall = json.loads((runs / r.name / "study_run.json").read_text())
         assert wall["total_wall_s"] > 0
+        return copied
 
-    study.on_done = hook
+    study.copy_to_results = watch
     assert study.run(poll_s=0.02) == 0
     assert seen == [("topk-s0", ["topk-s0"]), ("relu-s0", ["relu-s0", "topk-s0"])]

@@ -86,8 +86,9 @@ def export_run(run_dir: Path, dest: Path, state: dict[str, Any] | None = None) -
 
 
 def up_to_date(run_dir: Path, dest: Path) -> bool:
-    """Whether ``dest`` already holds ``run_dir``'s summary and zero-shot results."""
-    for name in ("summary.json", "eval_results.json"):
+    """Whether ``dest`` already holds every small file of ``run_dir`` (summary, evaluations,
+    config, the init_from record) byte for byte, and its metrics."""
+    for name in PLAIN_FILES:
         a, b = Path(run_dir) / name, Path(dest) / name
         if a.is_file() != b.is_file() or (a.is_file() and a.read_bytes() != b.read_bytes()):
             return False

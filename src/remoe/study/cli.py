@@ -163,32 +163,14 @@ def _run_threads(run_dir: Path) -> int:
     return int(good[-1][1].get("threads") or 1) if good else 1
 
 
-def export_finished(study, log=print, only: str | None = None) -> list[str]:
-    """Copy every run finished (and evaluated) in the study directory (or just the run named
-    ``only``) to the spec's ``results:`` directory (:func:`remoe.study.archive.export_run`)
-    where the copy is missing or older; returns the names copied."""
-    from remoe.study.archive import export_run, up_to_date
-
-    results = study.spec.results_dir
-    if results is None:
-        return []
-    state = {}
-    if (study.out / "study.json").is_file():
-        try:
-            state = (json.loads((study.out / "study.json").read_text()).get("runs") or {})
-        except ValueError:
-            state = {}
-    copied = []
-    for r in study.spec.runs:
-        if only is not None and r.name != only:
-            continue
-        d, dest = study.run_dir(r), results / "runs" / r.name
-        if not (d / "summary.json").is_file() or not study.done(r) or up_to_date(d, dest):
-            continue
-        export_run(d, dest, state.get(r.name))
-        copied.append(r.name)
+def export_finished(study, log=print) -> list[str]:
+    """Copy every run finished (and evaluated) in the study directory to the spec's
+    ``results:`` directory where the copy is missing or older (:meth:`Study.copy_to_results`);
+    returns the names copied."""
+    copied = [r.name for r in study.spec.runs if study.copy_to_results(r)]
     if copied:
-        log(f"committed copies: {', '.join(copied)} -> {results / 'runs'} (git add them)")
+        log(f"committed copies: {', '.join(copied)} -> {study.spec.results_dir / 'runs'} "
+            "(git add them)")
     return copied
 
 
@@ -234,17 +216,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--reuse {d!r}: not a directory")
     study = Study(spec, out, jobs=args.jobs, only=_select(spec, args.only),
                   reuse=tuple(Path(d) for d in args.reuse))
-
-    def copy_now(r) -> None:
-        # a failed copy must not stop the trainings still running: the end of the study and
-        # --results-only copy it again
-        try:
-            export_finished(study, only=r.name)
-        except OSError as e:
-            print(f"remoe study: warning: could not copy {r.name} to {spec.results_dir} ({e}); "
-                  "the end of the study and --results-only try again")
-
-    study.on_done = copy_now
     if args.dry_run:
         dry_run(study, gflops=args.gflops)
         return 0

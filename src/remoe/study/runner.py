@@ -30,7 +30,7 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
-from remoe.study.archive import committed_dir
+from remoe.study.archive import committed_dir, export_run, up_to_date
 from remoe.study.children import (atomic_write, config_diff, default_command,
                                   die_with_parent, eval_command, eval_done, read_json, read_yaml,
                                   same_experiment, tail)
@@ -61,10 +61,6 @@ class Study:
     log: Callable[[str], None] = print
     only: set[str] | None = None  # run names to run (dependencies are added)
     reuse: tuple[Path, ...] = ()  # other study directories whose identical finished runs count
-    #: called with each run the moment it is done (trained and evaluated), after study.json is
-    #: written: the CLI copies its small outputs to the spec's ``results:`` directory then, so a
-    #: study cut off later has every finished run's copy ready to commit
-    on_done: Callable[[RunSpec], None] | None = None
     states: dict[str, RunState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -401,8 +397,28 @@ class Study:
             self.log(f"  FAILED {r.name}: exit status {code} (log {self.log_path(r)}); last lines:\n"
                      + "\n".join("    | " + ln for ln in lines))
         self.write_state("running")
-        if st.state == "done" and self.on_done is not None:
-            self.on_done(r)
+        if st.state == "done":
+            # copied the moment it is done, so a study cut off later still has it to commit; a
+            # failed copy must not stop the trainings still running (the end of the study and
+            # --results-only copy it again)
+            try:
+                self.copy_to_results(r)
+            except OSError as e:
+                self.log(f"  warning: could not copy {r.name} to {self.spec.results_dir} ({e}); "
+                         "the end of the study and --results-only try again")
+
+    def copy_to_results(self, r: RunSpec) -> bool:
+        """Copy the finished (and evaluated) run ``r``'s small outputs to the spec's
+        ``results:`` directory (:func:`remoe.study.archive.export_run`) unless the copy there is
+        up to date; True if it copied."""
+        results, d = self.spec.results_dir, self.run_dir(r)
+        if results is None or not (d / "summary.json").is_file() or not self.done(r):
+            return False
+        dest = results / "runs" / r.name
+        if up_to_date(d, dest):
+            return False
+        export_run(d, dest, self.states[r.name].to_dict())
+        return True
 
     def _count_lost_attempt(self, r: RunSpec, st: RunState) -> None:
         """An earlier study process died (kill -9, machine stopped) while this child ran, so
