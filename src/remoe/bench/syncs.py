@@ -12,9 +12,9 @@ optimizer step with :class:`remoe.machine.syncs.SyncCounter`:
   clipping, the optimizer, the statistics and the lambda update.
 
 AdamW's per-parameter step counters are host tensors on a GPU run too (``foreach`` without
-``capturable``), so reading them is not counted. The targets (issue 28, held by
-``tests/model/test_syncs.py``): fixed-k routers 0 in forward and backward; data-dependent routers
-(ReLU) at most one per MoE layer and micro-batch in forward, none in backward; at most one in
+``capturable``), so reading them is not counted. The targets (held by
+``tests/model/test_syncs.py``): every router 0 in forward and backward (data-dependent ones,
+ReLU, on the padded plan of static capacity, :func:`remoe.model.dispatch.plan`); at most one in
 ``step``.
 """
 

@@ -101,6 +101,8 @@ class ExpertParallelExperts(SwiGLUExperts):
     takes the rows of *all* N experts routed on this rank and returns their outputs.
     """
 
+    accepts_padded_plan = False  # the exchange's split sizes are exact pair counts
+
     def __init__(self, full: SwiGLUExperts, group=None) -> None:
         W, r = dist.get_world_size(group), dist.get_rank(group)
         N = full.num_experts

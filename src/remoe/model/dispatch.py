@@ -1,8 +1,8 @@
 """Permute / unpermute primitives between token order and expert order.
 
-Legend: T tokens, D model width, N experts, P active (token, expert) pairs, R rows of a
-blocked layout (P plus padding).
-Only active pairs are ever materialised, so the cost follows P, not T*N.
+Legend: T tokens, D model width, N experts, P active (token, expert) pairs (or, in a padded
+plan, the static capacity C >= P), R rows of a blocked layout (P plus padding).
+Only active pairs are ever materialised, so the cost follows P, not T*N (a padded plan: C).
 
 Two consumers:
 
@@ -28,6 +28,10 @@ class Dispatch:
     token_idx_P: Tensor  # int64 [P]: source token of each pair, grouped by expert
     expert_idx_P: Tensor  # int64 [P]: expert of each pair (non-decreasing)
     counts_N: Tensor  # int64 [N]: pairs per expert (tokens routed to it)
+    #: bool [C] of a padded plan (:func:`plan` with ``capacity``): True on the first
+    #: ``counts_N.sum()`` rows, the real pairs; the rest are padding rows that point at
+    #: (token 0, expert 0) and must be masked (:func:`mask_padding`). None: no padding.
+    valid_P: Tensor | None = None
     #: per-plan cache of the fused CPU kernel's row layouts (remoe.model.fused_cpu)
     _layouts: dict = field(default_factory=dict, repr=False)
 
@@ -36,16 +40,23 @@ class Dispatch:
         return self.token_idx_P.numel()
 
 
-def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None = None) -> Dispatch:
+def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None = None,
+         capacity: int | None = None) -> Dispatch:
     """Group the active pairs of a boolean ``[T, N]`` mask by expert (tokens ascending inside).
 
     ``on_device`` (default: the mask is not on the CPU) keeps the plan on the mask's device
-    without a host synchronisation when ``num_pairs``, the number of active pairs, is known on
-    the host (fixed-k routers: ``Routing.num_pairs``): ``nonzero_static`` with that size, counts
-    by a column sum. With ``num_pairs=None`` the pair count is data-dependent and ``nonzero``
-    reads it back: one synchronisation, the only one of the plan. ``on_device=False`` (the CPU
-    backends, which need the counts on the host anyway) uses numpy's ``flatnonzero``. All three
-    give the same pairs in the same order.
+    without a host synchronisation:
+
+    * ``num_pairs`` known on the host (fixed-k routers: ``Routing.num_pairs``):
+      ``nonzero_static`` of exactly that size, counts by a column sum;
+    * else with ``capacity`` (a static bound on the pairs, e.g. ``T * N``): a *padded* plan of
+      ``capacity`` rows -- the real pairs first, then padding rows at (token 0, expert 0) --
+      with ``valid_P`` marking the real ones. Its shapes depend on T alone, so a compiled
+      block does not recompile when the routing changes;
+    * else ``nonzero`` reads the pair count back: one synchronisation.
+
+    ``on_device=False`` (the CPU backends, which need the counts on the host anyway) uses
+    numpy's ``flatnonzero``. All give the same pairs in the same order.
     """
     T, N = mask_TN.shape
     if on_device is None:
@@ -57,13 +68,28 @@ def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None =
         counts_N = torch.bincount(expert_idx, minlength=N)
         return Dispatch(token_idx, expert_idx, counts_N)
     mask_NT = mask_TN.t()
-    if num_pairs is None:
-        pairs = mask_NT.nonzero()  # [P, 2] as (expert, token), sorted by expert then token
-    else:
-        pairs = mask_NT.nonzero_static(size=num_pairs)
-    expert_idx, token_idx = pairs.unbind(1)
     counts_N = mask_TN.sum(0)  # int64 [N] on the device (bincount would read max() back)
-    return Dispatch(token_idx, expert_idx, counts_N)
+    valid_C = None
+    if num_pairs is not None:
+        pairs = mask_NT.nonzero_static(size=num_pairs)
+    elif capacity is not None:
+        pairs = mask_NT.nonzero_static(size=capacity, fill_value=0)
+        valid_C = torch.arange(capacity, device=mask_TN.device) < counts_N.sum()
+    else:
+        pairs = mask_NT.nonzero()  # [P, 2] as (expert, token), sorted by expert then token
+    expert_idx, token_idx = pairs.unbind(1)
+    return Dispatch(token_idx, expert_idx, counts_N, valid_C)
+
+
+def mask_padding(rows_PK: Tensor, d: Dispatch) -> Tensor:
+    """Zero the padding rows of a padded plan (identity without padding).
+
+    ``grouped_mm`` leaves the rows past the last offset unwritten (garbage, NaN included), in
+    its output and in its backward's input gradient alike; ``where`` keeps them out of both
+    directions: the forward passes zeros on, the backward passes a zero gradient back."""
+    if d.valid_P is None:
+        return rows_PK
+    return torch.where(d.valid_P.unsqueeze(1), rows_PK, rows_PK.new_zeros(()))
 
 
 def permute(x_TD: Tensor, d: Dispatch) -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from remoe.model.autotune import BackendTuner, shape_key
-from remoe.model.dispatch import Dispatch, pair_gates, permute, unpermute
+from remoe.model.dispatch import Dispatch, mask_padding, pair_gates, permute, unpermute
 from remoe.model.fused_cpu import swiglu_fused
 
 
@@ -53,8 +53,13 @@ def swiglu_grouped_mm(x_PD: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor, counts
 
 def swiglu_reference(x_PD: Tensor, w_in_ND2H: Tensor, w_out_NHD: Tensor, counts_N: Tensor) -> Tensor:
     outs = []
-    for n, x_nD in enumerate(x_PD.split(counts_N.tolist())):
+    sizes = counts_N.tolist()
+    pad = x_PD.shape[0] - sum(sizes)  # rows of a padded plan past the pairs: zeros out
+    for n, x_nD in enumerate(x_PD.split(sizes + [pad])):
         if x_nD.shape[0] == 0:
+            continue
+        if n == len(sizes):
+            outs.append(x_nD.new_zeros(pad, w_out_NHD.shape[-1]))
             continue
         gate, up = (x_nD @ w_in_ND2H[n]).chunk(2, dim=-1)
         outs.append((F.silu(gate) * up) @ w_out_NHD[n])
@@ -89,6 +94,9 @@ def grouped_mm_supported(x: Tensor, width: int) -> bool:
 
 class SwiGLUExperts(nn.Module):
     """N SwiGLU experts ``y = (silu(x W_g) * (x W_u)) W_o`` stored as stacked weights."""
+
+    #: :meth:`forward_tokens` takes a padded dispatch plan (rows masked by ``plan.valid_P``)
+    accepts_padded_plan = True
 
     def __init__(self, num_experts: int, d_model: int, d_expert: int, init_std: float = 0.02,
                  backend: str = "auto", recompute: bool = False) -> None:
@@ -135,9 +143,10 @@ class SwiGLUExperts(nn.Module):
                  plan: Dispatch) -> Tensor:
         if backend == "fused":
             return swiglu_fused(x_TD, gates_TN, w_in, w_out, plan, recompute=self.recompute)
-        x_PD = permute(x_TD, plan)
+        # a padded plan (static capacity): its padding rows are zeroed going in and coming out
+        x_PD = mask_padding(permute(x_TD, plan), plan)
         y_PD = self.forward(x_PD, plan.counts_N, backend=backend, weights=(w_in, w_out))
-        return unpermute(y_PD, pair_gates(gates_TN, plan), plan, x_TD.shape[0])
+        return unpermute(mask_padding(y_PD, plan), pair_gates(gates_TN, plan), plan, x_TD.shape[0])
 
     def _measured(self, x_TD: Tensor, gates_TN: Tensor, w_in: Tensor, w_out: Tensor,
                   plan: Dispatch) -> str:

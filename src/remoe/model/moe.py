@@ -95,6 +95,10 @@ def base_experts(experts: nn.Module) -> nn.Module:
 class MoELayer(nn.Module):
     """Token-routed experts: any :class:`~remoe.model.routers.Router`, dropless dispatch."""
 
+    #: data-dependent routing on the device: a padded plan of static capacity (no host sync;
+    #: shapes fixed by T) instead of the exact one (``nonzero``: one sync per call)
+    static_plan: bool = True
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -108,11 +112,15 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, x.shape[-1])
         T = x_TD.shape[0]
         r = self.router(x_TD, ctx)
-        # grouped_mm (the CUDA backend) keeps the plan on the device: no host sync for fixed-k
-        # routers, one (nonzero) for data-dependent ones; the CPU backends plan on the host
-        on_device = x_TD.device.type != "cpu" or \
-            base_experts(self.experts).resolve_backend(x_TD) == "grouped_mm"
-        plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device)
+        # grouped_mm (the CUDA backend) keeps the plan on the device with no host sync: exact
+        # for fixed-k routers, padded to a static capacity for data-dependent ones (unless
+        # static_plan is off: nonzero, one sync); the CPU backends plan on the host
+        base = base_experts(self.experts)
+        on_device = x_TD.device.type != "cpu" or base.resolve_backend(x_TD) == "grouped_mm"
+        capacity = None
+        if on_device and r.num_pairs is None and self.static_plan and base.accepts_padded_plan:
+            capacity = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
+        plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device, capacity=capacity)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
         if isinstance(self.experts, SwiGLUExperts):
             y_TD = self.experts.forward_tokens(x_TD, r.gates_TN, plan)

@@ -46,6 +46,9 @@ class Routing:
     #: active pairs (``mask_TN.sum()``) when the router knows it without looking at the data
     #: (fixed-k routers: T*k); lets dispatch stay on the device (no host sync). None: unknown
     num_pairs: int | None = None
+    #: a bound on the active pairs known on the host when ``num_pairs`` is not (ReLU with
+    #: ``max_active``: T*max_active); None: T*N. Sizes the padded, sync-free device plan
+    max_pairs: int | None = None
 
 
 class Router(nn.Module):
@@ -107,6 +110,14 @@ class Router(nn.Module):
         expert in that step (``[N]``, summed over micro-batches and data-parallel ranks, so every
         rank sees the same counts). A hook for routers with non-gradient state (the expert bias
         of ``topk_auxfree``); nothing by default."""
+
+    def after_step_with_tokens(self, counts_N: Tensor, num_tokens: float | None) -> None:
+        """What the trainer calls after every optimizer step: :meth:`after_step` with, besides
+        the counts, the step's token count ``num_tokens`` (summed over micro-batches and ranks;
+        None where the caller does not know it). Routers whose update needs it (a target load
+        of ``k T / E`` tokens per expert: ``relu_threshold``) override this one; by default it
+        calls :meth:`after_step`."""
+        self.after_step(counts_N)
 
 
 def zero(x: Tensor) -> Tensor:

@@ -122,7 +122,8 @@ class ReLURouter(Router):
             with torch.autocast(device_type=x_TD.device.type, enabled=False):
                 z_TN = x_TD.detach().to(logits_TN.dtype) @ self.weight.to(logits_TN.dtype).t()
             aux = self.revive_coeff * revival_hinge(z_TN, dead_N, self.target_density)
-        return Routing(gates_TN, mask_TN, reg, aux)
+        cap = x_TD.shape[0] * self.max_active if self.max_active else None
+        return Routing(gates_TN, mask_TN, reg, aux, max_pairs=cap)
 
     @torch.no_grad()
     def after_step(self, counts_N: Tensor) -> None:
