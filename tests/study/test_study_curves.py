@@ -241,3 +241,39 @@ def test_each_run_is_copied_the_moment_it_is_done(write_spec, tmp_path):
     study.copy_to_results = watch
     assert study.run(poll_s=0.02) == 0
     assert seen == [("topk-s0", ["topk-s0"]), ("relu-s0", ["relu-s0", "topk-s0"])]
+
+
+def _write_masks(routing: Path, steps, rng) -> None:
+    routing.mkdir(parents=True)
+    for st in steps:
+        m = rng.random((2, 16, 4)) < 0.3
+        np.savez_compressed(routing / f"masks_{st:07d}.npz", masks=np.packbits(m, axis=-1),
+                            shape=np.array(m.shape), token_ids=np.arange(16),
+                            step=np.array(st))
+
+
+def test_a_committed_copy_keeps_its_masks_in_one_archive_read_like_the_loose_files(tmp_path):
+    from remoe.analysis.runlog import Run, load_masks
+    from remoe.study.archive import export_run, pack_committed
+
+    run = tmp_path / "run"
+    _write_run(run, [(10, 4.0)])
+    (run / "summary.json").write_text("{}")
+    _write_masks(run / "routing", (0, 5, 10), np.random.default_rng(0))
+    loose = [(s, load_masks(m)) for s, m in Run(run).mask_files()]
+
+    a = export_run(run, tmp_path / "copies" / "a")
+    b = export_run(run, tmp_path / "copies" / "b")
+    assert not (a / "routing").exists() and (a / "routing.zip").is_file()
+    assert (a / "routing.zip").read_bytes() == (b / "routing.zip").read_bytes()  # deterministic
+    packed = [(s, load_masks(m)) for s, m in Run(a).mask_files()]
+    assert [s for s, _ in packed] == [s for s, _ in loose] == [0, 5, 10]
+    for (_, x), (_, y) in zip(loose, packed):
+        assert all(np.array_equal(u, v) for u, v in zip(x, y))
+
+    # an older copy with a loose routing/ directory is packed in place, to the same bytes
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    assert pack_committed(old) and not (old / "routing").exists()
+    assert (old / "routing.zip").read_bytes() == (a / "routing.zip").read_bytes()
+    assert not pack_committed(old)

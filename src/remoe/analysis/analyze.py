@@ -48,7 +48,7 @@ def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
                  "config.yaml"):
         p = run.path / name
         files[name] = [p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else None
-    files["routing"] = [[s, p.stat().st_size] for s, p in run.mask_files()]
+    files["routing"] = [[s, m.size] for s, m in run.mask_files()]
     model = None
     if any(w in opts.what for w in MODEL_ANALYSES + HOOK_ANALYSES):
         try:

@@ -2,15 +2,18 @@
 
 Everything is read lazily and cached on the :class:`Run`: ``metrics.jsonl`` as column arrays,
 ``eval.jsonl``, ``config.yaml``, ``summary.json``, ``eval_results.json`` and the
-``routing/masks_<step>.npz`` series. A truncated last JSONL line (a run still writing) is
+``routing/masks_<step>.npz`` series (or their ``routing.zip`` archive). A truncated last JSONL line (a run still writing) is
 skipped; when a resumed run logged a step twice the last record of that step wins.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
+import zipfile
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ import yaml
 from remoe.errors import ConfigError
 
 MASK_FILE = re.compile(r"^masks_(\d+)\.npz$")
+#: a committed study copy keeps its mask files in this one archive (stored, not recompressed)
+ROUTING_ARCHIVE = "routing.zip"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -117,7 +122,7 @@ class Run:
             raise ConfigError(f"run={str(self.path)!r} is not a directory")
         if not any((self.path / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz",
                                                         "config.yaml", "final", "checkpoints",
-                                                        "routing")):
+                                                        "routing", ROUTING_ARCHIVE)):
             raise ConfigError(f"run={str(self.path)!r} holds no run (expected metrics.jsonl, "
                               "config.yaml, final/, checkpoints/ or routing/)")
 
@@ -194,22 +199,52 @@ class Run:
     def seq_len(self, default: int = 256) -> int:
         return int((self.config.get("train") or {}).get("seq_len") or default)
 
-    def mask_files(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every recorded routing mask file, by step."""
-        d = self.path / "routing"
-        if not d.is_dir():
-            return []
+    def mask_files(self) -> list[tuple[int, "MaskFile"]]:
+        """``(step, MaskFile)`` of every recorded routing mask, by step: the loose
+        ``routing/masks_<step>.npz`` files of a run directory, or the members of the single
+        ``routing.zip`` archive of a committed study copy (:mod:`remoe.study.archive`)."""
         out = []
-        for p in d.iterdir():
-            m = MASK_FILE.match(p.name)
-            if m:
-                out.append((int(m.group(1)), p))
-        return sorted(out)
+        d = self.path / "routing"
+        if d.is_dir():
+            for p in d.iterdir():
+                m = MASK_FILE.match(p.name)
+                if m:
+                    out.append((int(m.group(1)), MaskFile(p)))
+        packed = self.path / ROUTING_ARCHIVE
+        if not out and packed.is_file():
+            with zipfile.ZipFile(packed) as z:
+                for info in z.infolist():
+                    m = MASK_FILE.match(info.filename)
+                    if m:
+                        out.append((int(m.group(1)), MaskFile(packed, info.filename,
+                                                              info.file_size)))
+        return sorted(out, key=lambda sm: sm[0])
 
 
-def load_masks(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
-    """One ``masks_<step>.npz``: ``(masks bool [L, T, N], token_ids [T], step)``."""
-    with np.load(path, allow_pickle=False) as z:
+@dataclass(frozen=True)
+class MaskFile:
+    """One recorded ``masks_<step>.npz``: a file, or a ``member`` of a ``routing.zip``."""
+
+    path: Path
+    member: str | None = None
+    member_size: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.member_size if self.member else self.path.stat().st_size
+
+    def read(self) -> bytes:
+        if self.member is None:
+            return self.path.read_bytes()
+        with zipfile.ZipFile(self.path) as z:
+            return z.read(self.member)
+
+
+def load_masks(source: "MaskFile | Path") -> tuple[np.ndarray, np.ndarray, int]:
+    """One ``masks_<step>.npz`` (a path or a :class:`MaskFile`): ``(masks bool [L, T, N],
+    token_ids [T], step)``."""
+    data = source.read() if isinstance(source, MaskFile) else Path(source).read_bytes()
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
         L, T, N = (int(v) for v in z["shape"])
         masks = np.unpackbits(z["masks"], axis=-1, count=N).astype(bool).reshape(L, T, N)
         token_ids = np.asarray(z["token_ids"]).reshape(-1)

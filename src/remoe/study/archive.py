@@ -8,7 +8,9 @@ committed with the repository:
 * ``config.yaml``, ``summary.json``, ``eval.jsonl``, ``eval_results.json``,
   ``init_from.json`` (a run started from existing weights) as written;
 * ``metrics.jsonl.gz``: ``metrics.jsonl`` gzip-compressed (deterministic: no name, mtime 0);
-* ``routing/masks_*.npz``: the calibration-set routing masks (inactive experts, flips);
+* ``routing.zip``: the calibration-set routing masks (inactive experts, flips), every
+  ``masks_<step>.npz`` in one archive (stored as they are, fixed timestamps, sorted: the same
+  masks give the same bytes);
 * ``study_run.json``: what ``study.json`` knew of the run (wall time over every attempt).
 
 Never checkpoints or weights. :class:`remoe.analysis.runlog.Run` reads such a directory like a
@@ -23,8 +25,11 @@ import gzip
 import json
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
+
+from remoe.analysis.runlog import MASK_FILE, ROUTING_ARCHIVE
 
 #: files copied as they are (those present)
 PLAIN_FILES = ("config.yaml", "summary.json", "eval.jsonl", "eval_results.json",
@@ -63,11 +68,7 @@ def export_run(run_dir: Path, dest: Path, state: dict[str, Any] | None = None) -
                 shutil.copyfile(run_dir / name, tmp / name)
         if (run_dir / "metrics.jsonl").is_file():
             _gzip_file(run_dir / "metrics.jsonl", tmp / METRICS_GZ)
-        masks = sorted((run_dir / "routing").glob("masks_*.npz"))
-        if masks:
-            (tmp / "routing").mkdir()
-            for p in masks:
-                shutil.copyfile(p, tmp / "routing" / p.name)
+        pack_masks(run_dir / "routing", tmp / ROUTING_ARCHIVE)
         kept = {k: state[k] for k in STATE_KEYS if state and state.get(k) is not None}
         (tmp / RUN_STATE).write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
         tmp.chmod(0o755)
@@ -83,6 +84,33 @@ def export_run(run_dir: Path, dest: Path, state: dict[str, Any] | None = None) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def pack_masks(routing_dir: Path, archive: Path) -> bool:
+    """Write every ``masks_<step>.npz`` of ``routing_dir`` into the one archive ``archive``
+    (deterministic bytes); False (nothing written) when there are none."""
+    files = sorted(p for p in Path(routing_dir).glob("masks_*.npz") if MASK_FILE.match(p.name))
+    if not files:
+        return False
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as z:
+        for p in files:
+            info = zipfile.ZipInfo(p.name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            z.writestr(info, p.read_bytes())
+    return True
+
+
+def pack_committed(run_copy: Path) -> bool:
+    """Turn a committed copy's loose ``routing/`` directory (an older layout) into its
+    ``routing.zip``; True if it did."""
+    loose = Path(run_copy) / "routing"
+    if not loose.is_dir() or (Path(run_copy) / ROUTING_ARCHIVE).exists():
+        return False
+    tmp = Path(run_copy) / f".{ROUTING_ARCHIVE}.tmp"
+    if pack_masks(loose, tmp):
+        tmp.rename(Path(run_copy) / ROUTING_ARCHIVE)
+    shutil.rmtree(loose)
+    return True
 
 
 def up_to_date(run_dir: Path, dest: Path) -> bool:
