@@ -16,6 +16,7 @@ from remoe.data.corpus import iter_documents
 from remoe.data.documents import SPLITS, Document
 from remoe.data.errors import DataError
 from remoe.data.sampler import TrainBatches, eval_batches
+from remoe.data.shardstore import ShardedStore
 from remoe.data.store import Batch, TokenStore
 
 log = logging.getLogger("remoe.data")
@@ -34,13 +35,18 @@ class DataBundle:
     domains: list[str]
     manifest: dict[str, Any] = field(repr=False)
     seed: int = 0
-    _stores: dict[str, TokenStore] = field(default_factory=dict, repr=False)
+    store_root: Path | None = None  # the sharded store's directory (remoe.data.streambuild)
+    _stores: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def split(self, name: str) -> TokenStore:
         """The token store of ``train``, ``validation`` or ``test``."""
         if name not in SPLITS:
             raise ValueError(f"unknown split {name!r}; expected one of {', '.join(SPLITS)}")
-        if name not in self._stores:
+        if name not in self._stores and self.store_root is not None:
+            m = self.manifest
+            self._stores[name] = ShardedStore(self.store_root, name, self.domains,
+                                              m["tokens"]["splits"][name], m["shards"], m["dtype"])
+        elif name not in self._stores:
             self._stores[name] = TokenStore(self.cache_dir / "tokens", name, self.domains)
         return self._stores[name]
 
@@ -87,7 +93,9 @@ class DataBundle:
 
     def documents(self, split: str, domain: str | None = None) -> list[Document]:
         """The raw documents of ``split`` (optionally one domain), in store order."""
-        return load_documents(split, domain, cache_dir=self.cache_dir)
+        if self.store_root is None:
+            return load_documents(split, domain, cache_dir=self.cache_dir)
+        return store_documents(self.store_root, split, domain)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):
@@ -134,11 +142,29 @@ class DataBundle:
         return "\n".join(lines)
 
 
+def store_documents(root: Path, split: str, domain: str | None = None) -> list[Document]:
+    """The raw documents of ``split`` of a sharded store: held-out ones from their copy, train
+    ones read again from the sources (their text is not copied), in store order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    if split != "train":
+        return list(iter_documents(root / "heldout" / f"{split}.jsonl", domain))
+    from remoe.data.streambuild import train_documents
+
+    return train_documents(root, domain)
+
+
 def load_documents(split: str, domain: str | None = None, *,
                    cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR) -> list[Document]:
     """The raw documents of ``split`` from a prepared cache (optionally only ``domain``)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    from remoe.data._io import read_json
+    from remoe.data.streambuild import STORE_DIR
+
+    m = read_json(Path(cache_dir) / STORE_DIR / "manifest.json")
+    if isinstance(m, dict) and "dir" in m:
+        return store_documents(Path(cache_dir) / STORE_DIR / m["dir"], split, domain)
     path = Path(cache_dir) / "corpus" / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (run `remoe data` first)")

@@ -49,6 +49,8 @@ from remoe.data.cachelock import (LOCK_FILE, NOT_WRITABLE, live_readers, locked,
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
 from remoe.data.documents import SPLITS
 from remoe.data.errors import DataError, DataNotFoundError
+from remoe.data.shards import DEFAULT_SHARD_BYTES
+from remoe.data.streambuild import STORE_DIR, build_store, finished_manifest, verify_store
 from remoe.data.manifest import (FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, manifest_problem,
                                  read_manifest, verify_files)
 
@@ -71,7 +73,8 @@ def _not_writable(cache: Path, e: OSError) -> DataError:
                      "to a writable directory")
 
 
-def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True) -> DataBundle:
+def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True, workers: int = 1,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> DataBundle:
     """Build (or reuse from ``cfg.cache_dir``) the corpus, tokenizer and token stores.
 
     Raises :class:`DataError` (a one-line ``ConfigError``) when the input cannot give usable
@@ -92,7 +95,9 @@ def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True) -> Dat
     rep = Reporter(progress, guard=refuse_if_read)
     with locked(cache) as writable:
         try:
-            bundle = _prepare_locked(cfg, cache, rep, progress)
+            m = build_store(cfg, cache, rep.say, progress, workers=workers,
+                            shard_bytes=shard_bytes, before_write=rep.before_write)
+            bundle = _store_bundle(cache, m, cfg.seed)
             # this process reads the cache as long as the bundle lives: nobody rebuilds it
             fd = register_reader(cache) if writable else None
             if fd is not None:
@@ -146,6 +151,15 @@ def _prepare_locked(cfg: DataConfig, cache: Path, rep: Reporter, progress: bool)
     return _bundle(cache, new, tok, cfg.seed)
 
 
+def _store_bundle(cache: Path, m: dict[str, Any], seed: int) -> DataBundle:
+    root = cache / STORE_DIR / m["dir"]
+    t = m["tokenizer"]
+    return DataBundle(cache_dir=cache, tokenizer=Tokenizer.from_file(str(root / TOKENIZER_FILE)),
+                      tokenizer_path=root / TOKENIZER_FILE, vocab_size=int(t["vocab_size"]),
+                      eos_id=int(t["eos_id"]), eos_token=t["eos_token"],
+                      domains=list(m["domains"]), manifest=m, seed=seed, store_root=root)
+
+
 def _bundle(cache: Path, manifest: dict[str, Any], tok: Tokenizer, seed: int) -> DataBundle:
     t = manifest["tokenizer"]
     return DataBundle(cache_dir=cache, tokenizer=tok, tokenizer_path=cache / TOKENIZER_FILE,
@@ -171,7 +185,15 @@ def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, veri
     # under the cache's lock (not while a build is half done), and registered as a reader as
     # long as the bundle lives: `remoe eval` / analyses reading it are not rebuilt under
     with locked(cache) as writable:
-        bundle = _load_prepared_locked(cache, verify, seed)
+        m = finished_manifest(cache / STORE_DIR, None)
+        if m is None:
+            raise DataNotFoundError(f"no complete data cache in {cache} (run `remoe data`)")
+        if verify:
+            problems = verify_store(cache)
+            if problems:
+                raise ValueError(f"data cache {cache} is corrupt: {problems[0]} (run `remoe "
+                                 "data` to rebuild)")
+        bundle = _store_bundle(cache, m, seed)
         fd = register_reader(cache) if writable else None
         if fd is not None:
             weakref.finalize(bundle, release_reader, fd)

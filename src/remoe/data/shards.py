@@ -1,0 +1,188 @@
+"""Tokenising the document stream into shards, in parallel and resumably.
+
+The stream of kept documents (with their planned splits) is cut into *units* of about
+``shard_bytes`` bytes of text, in stream order; unit ``n`` becomes the files
+
+* ``shards/uNNNNNN.bin``      -- its tokens, ``uint16``/``uint32``, in *sections*: for each
+  (split, domain) in that order, the unit's documents of it in stream order, each + EOS;
+* ``shards/uNNNNNN.lens.npy`` -- ``int64`` token count of each of those documents;
+* ``shards/uNNNNNN.heldout.jsonl`` -- the held-out (validation/test) documents' text, by section
+  (the training text is never copied).
+
+A unit depends only on its documents, so ``workers`` processes encode units in parallel
+(``tokenizers``' batch encoding, one thread each), at most ``2 * workers`` in flight. Every file
+is written to a temporary name and moved into place, then the unit's line (sections, sizes,
+sha256 of each file) is appended to ``journal.jsonl``: after a kill, the units of complete
+journal lines are skipped (their text is read past, not encoded) and the others are redone
+from scratch, so the result is bit-identical to an uninterrupted build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from remoe.data._io import atomic_write_bytes
+
+JOURNAL = "journal.jsonl"
+DEFAULT_SHARD_BYTES = 64 << 20
+_ENCODE_BATCH_CHARS = 1 << 20
+
+
+def unit_name(unit_id: int, what: str) -> str:
+    return f"u{unit_id:06d}.{what}"
+
+
+def iter_units(docs: Iterable[Any], labels: np.ndarray, dom_index: dict[str, int],
+               shard_bytes: int) -> Iterator[tuple[int, list[tuple[int, int, str, Any]]]]:
+    """``(unit id, [(split label, domain id, key, text or token ids)])`` in stream order."""
+    items: list[tuple[int, int, str, Any]] = []
+    size = unit = 0
+    for i, doc in enumerate(docs):
+        payload = doc.text if doc.text is not None else np.asarray(doc.ids)
+        items.append((int(labels[i]), dom_index[doc.domain], doc.key, payload))
+        size += len(payload) if isinstance(payload, str) else 2 * payload.shape[0]
+        if size >= shard_bytes:
+            yield unit, items
+            items, size, unit = [], 0, unit + 1
+    if items:
+        yield unit, items
+
+
+def read_journal(directory: Path) -> dict[int, dict[str, Any]]:
+    """Units whose journal line is complete and whose files have the recorded sizes."""
+    done: dict[int, dict[str, Any]] = {}
+    path = directory / JOURNAL
+    if not path.is_file():
+        return done
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                meta = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if not isinstance(meta, dict) or "unit" not in meta:
+                continue
+            if all((directory / name).is_file() and (directory / name).stat().st_size ==
+                   m["bytes"] for name, m in meta["files"].items()):
+                done[int(meta["unit"])] = meta
+    return done
+
+
+def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
+    """Tokenise one unit and write its three files; returns its journal entry."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(job["tokenizer_json"])
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    dtype = np.dtype(job["dtype"])
+    eos = int(job["eos_id"])
+    items = sorted(enumerate(job["items"]), key=lambda t: (t[1][0], t[1][1], t[0]))
+    texts = [(k, it[3]) for k, (_, it) in enumerate(items) if isinstance(it[3], str)]
+    ids_of: dict[int, np.ndarray] = {}
+    start = 0
+    while start < len(texts):
+        end, chars = start, 0
+        while end < len(texts) and (end == start or chars < _ENCODE_BATCH_CHARS):
+            chars += len(texts[end][1])
+            end += 1
+        for (k, _), enc in zip(texts[start:end], encode([t for _, t in texts[start:end]],
+                                                        add_special_tokens=False)):
+            ids_of[k] = np.asarray(enc.ids, dtype=np.int64)
+        start = end
+    max_id = np.iinfo(dtype).max
+    pieces, lens, sections = [], [], []
+    heldout = io.BytesIO()
+    for k, (_, (label, dom, key, payload)) in enumerate(items):
+        ids = ids_of[k] if isinstance(payload, str) else np.asarray(payload, dtype=np.int64)
+        if ids.size and (int(ids.max()) > max_id or int(ids.min()) < 0):
+            raise ValueError(f"token id {int(ids.max())} does not fit in {dtype}")
+        if not (ids.size and int(ids[-1]) == eos and not isinstance(payload, str)):
+            ids = np.append(ids, eos)  # (a prepared Megatron document may end in EOS already)
+        pieces.append(ids.astype(dtype))
+        lens.append(ids.size)
+        if not sections or sections[-1][:2] != [label, dom]:
+            sections.append([label, dom, 0, 0, heldout.tell(), 0])
+        sec = sections[-1]
+        sec[2] += 1
+        sec[3] += int(ids.size)
+        if label != 0 and isinstance(payload, str):
+            rec = {"text": payload, "meta": {"pile_set_name": job["domains"][dom], "key": key}}
+            heldout.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
+            sec[5] = heldout.tell() - sec[4]
+    out = Path(job["out_dir"])
+    blobs = {
+        unit_name(job["unit"], "lens.npy"): _npy_bytes(np.asarray(lens, dtype=np.int64)),
+        unit_name(job["unit"], "heldout.jsonl"): heldout.getvalue(),
+        unit_name(job["unit"], "bin"): (np.concatenate(pieces) if pieces else
+                                        np.zeros(0, dtype)).astype(dtype).tobytes(),
+    }
+    files = {}
+    for name, data in blobs.items():
+        atomic_write_bytes(out / name, data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return {"unit": job["unit"], "sections": sections, "files": files}
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _one_thread() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dict[str, Any],
+                 workers: int, on_unit: Callable[[dict[str, Any], bool], None]) -> list[dict]:
+    """Encode every unit not yet in the journal; returns all units' journal entries in order.
+
+    ``on_unit(entry, encoded)`` is called for each unit (progress).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = read_journal(out_dir)
+    metas: dict[int, dict[str, Any]] = {}
+    journal = open(out_dir / JOURNAL, "ab")
+
+    def record(meta: dict[str, Any]) -> None:
+        journal.write(json.dumps(meta, sort_keys=True).encode("utf-8") + b"\n")
+        journal.flush()
+        os.fsync(journal.fileno())
+        metas[int(meta["unit"])] = meta
+        on_unit(meta, True)
+
+    try:
+        if workers <= 1:
+            for uid, items in units:
+                if uid in done:
+                    metas[uid] = done[uid]
+                    on_unit(done[uid], False)
+                else:
+                    record(encode_unit({**job_base, "unit": uid, "items": items}))
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(workers, initializer=_one_thread) as pool:
+                pending: list[Any] = []
+                for uid, items in units:
+                    if uid in done:
+                        metas[uid] = done[uid]
+                        on_unit(done[uid], False)
+                        continue
+                    pending.append(pool.apply_async(encode_unit,
+                                                    ({**job_base, "unit": uid, "items": items},)))
+                    while len(pending) >= 2 * workers:
+                        record(pending.pop(0).get())
+                for res in pending:
+                    record(res.get())
+    finally:
+        journal.close()
+    return [metas[u] for u in sorted(metas)]

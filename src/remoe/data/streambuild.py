@@ -1,0 +1,244 @@
+"""Building the sharded store: plan -> tokenizer -> shards -> index -> manifest, resumably.
+
+Layout (``<cache_dir>/store-v2/``, beside and never touching the single-file cache of format 1)::
+
+    manifest.json                 the finished store: key, config, domains, sizes, file checksums
+    <key16>/plan.labels.u8        one split label per kept document, in stream order
+    <key16>/plan.json             per split and domain counts (written when the plan is complete)
+    <key16>/tokenizer.json
+    <key16>/shards/u*.{bin,lens.npy,heldout.jsonl} + journal.jsonl
+    <key16>/index/*.npy, <key16>/heldout/{validation,test}.jsonl
+
+``<key16>`` is the start of the build key: a sha256 of the data settings, the shard size and
+the sources' *fingerprint* -- (path, size, mtime) of every user file and the candidate list of
+the built-in sources, read without reading the texts. Opening a finished store costs a
+``stat`` per file, whatever its size. An interrupted build resumes in the same directory:
+a complete plan and tokenizer are reused, finished units are not redone (:mod:`.shards`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from tokenizers import Tokenizer
+
+from remoe.data import tokenizer as _tok
+from remoe.data._io import atomic_write_json, read_json, sha256_bytes, sha256_file, stable_unit
+from remoe.data.config import DataConfig
+from remoe.data.docstream import stream_documents
+from remoe.data.documents import SPLITS
+from remoe.data.manifest import stage_key
+from remoe.data.plan import build_plan, load_plan
+from remoe.data.shardindex import write_split_index
+from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units
+from remoe.data.shardstore import file_problem
+from remoe.data.store import token_dtype
+
+STORE_DIR = "store-v2"
+STORE_FORMAT = "remoe-shards/1"
+MIN_FREQUENCY = 2
+TOKENIZER_ALGO = "bytelevel-bpe/1"
+
+
+def source_fingerprint(sources: list[str]) -> list[Any]:
+    """What identifies the sources without reading their texts (see the module docstring)."""
+    from remoe.data.builtin import builtin_sources
+    from remoe.data.corpus import parse_source
+
+    out: list[Any] = []
+    for s in sources:
+        spec = parse_source(s)
+        if spec.kind == "builtin":
+            for src in builtin_sources(spec.domains):
+                cands = src.candidates()
+                keys = None if cands is None else sha256_bytes(
+                    "\n".join(c.key for c in cands).encode("utf-8"))
+                out.append([src.name, keys])
+            continue
+        root = Path(str(spec.path))
+        files = [root] if not root.is_dir() else sorted(
+            p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if root.suffix in (".bin", ".idx") or Path(f"{root}.bin").is_file():
+            files = [Path(f"{root.with_suffix('') if root.suffix else root}{x}") for x in
+                     (".bin", ".idx")]
+        out.append([s, [[str(p), st.st_size, st.st_mtime_ns] for p in files
+                        for st in (p.stat(),)]])
+    return out
+
+
+def build_key(cfg: DataConfig, shard_bytes: int) -> str:
+    tok = None
+    if cfg.tokenizer is not None:
+        tok = sha256_bytes(_tok.load_tokenizer(Path(cfg.tokenizer)).to_str().encode("utf-8"))
+    return stage_key({"format": STORE_FORMAT, "sources": list(cfg.sources),
+                      "fingerprint": source_fingerprint(list(cfg.sources)),
+                      "max_bytes": cfg.max_bytes_per_domain, "val": cfg.val_fraction,
+                      "test": cfg.test_fraction, "vocab": cfg.vocab_size, "tokenizer": tok,
+                      "tokenizer_train_bytes": cfg.tokenizer_train_bytes,
+                      "algo": TOKENIZER_ALGO, "shard_bytes": shard_bytes})
+
+
+def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
+    """The finished store's manifest if its key is ``key`` (any key: None) and every file it
+    lists has its recorded size (no hashing: shards are checked when first mapped)."""
+    m = read_json(store / "manifest.json")
+    if not isinstance(m, dict) or m.get("format") != STORE_FORMAT or (
+            key is not None and m.get("key") != key):
+        return None
+    root = store / m["dir"]
+    for rel, meta in all_files(m).items():
+        if file_problem(root / rel, meta, full=False) is not None:
+            return None
+    return m
+
+
+def all_files(m: dict[str, Any]) -> dict[str, Any]:
+    files = {f"shards/{k}": v for k, v in m["shards"].items()}
+    files["tokenizer.json"] = {"sha256": m["tokenizer"]["sha256"], "bytes": m["tokenizer"]["bytes"]}
+    for s in SPLITS:
+        files.update(m["tokens"]["splits"][s]["files"])
+    return files
+
+
+def _docs(cfg: DataConfig, root: Path, found: dict | None = None):
+    return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found)
+
+
+def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: Callable,
+               progress: bool) -> Tokenizer:
+    path = root / "tokenizer.json"
+    if cfg.tokenizer is not None:
+        tok = _tok.load_tokenizer(Path(cfg.tokenizer))
+        _tok.save_tokenizer(tok, path)
+        return tok
+    if path.is_file() and (root / "tokenizer.done").is_file():
+        return Tokenizer.from_file(str(path))
+    train_bytes = {d: v["bytes"] for d, v in plan["splits"]["train"].items()}
+    total = sum(train_bytes.values())
+    cap = cfg.tokenizer_train_bytes
+    keep_share = {d: 1.0 if cap <= 0 or total <= cap else (cap * b / total) / max(b, 1)
+                  for d, b in train_bytes.items()}
+
+    def texts():
+        for i, doc in enumerate(_docs(cfg, root)):
+            if labels[i] == 0 and doc.text is not None and (keep_share[doc.domain] >= 1.0 or (
+                    stable_unit("tokenizer-sample", doc.domain, doc.key) < keep_share[doc.domain])):
+                yield doc.text
+
+    say(f"training byte-level BPE (vocab {cfg.vocab_size}) on the train split "
+        f"({total:,} bytes{'' if cap <= 0 or total <= cap else f', sampled to ~{cap:,}'})")
+    tok = _tok.train_tokenizer(_tok.batched_texts(texts()), cfg.vocab_size,
+                               min_frequency=MIN_FREQUENCY, progress=progress)
+    _tok.save_tokenizer(tok, path)
+    (root / "tokenizer.done").write_bytes(b"")
+    return tok
+
+
+def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progress: bool, *,
+                workers: int = 1, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                before_write: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
+    """Build (or resume, or reuse) the store of ``cfg``; returns its manifest."""
+    store = cache / STORE_DIR
+    key = build_key(cfg, shard_bytes)
+    m = finished_manifest(store, key)
+    if m is not None:
+        say("sharded store unchanged: reusing it")
+        return m
+    before_write("its sharded store")
+    root = store / key[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    loaded = load_plan(root)
+    if loaded is None:
+        say(f"planning splits from {list(cfg.sources)} (<= {cfg.max_bytes_per_domain:,} "
+            "bytes/domain)")
+        found: dict[str, list] = {}
+        build_plan(_docs(cfg, root, found), root, cfg.val_fraction, cfg.test_fraction,
+                   list(cfg.sources), found)
+        loaded = load_plan(root)
+        assert loaded is not None
+    plan, labels = loaded
+    domains = plan["domains"]
+    tok = _tokenizer(cfg, root, plan, labels, say, progress)
+    eos = _tok.find_eos(tok)
+    assert eos is not None
+    vocab = _tok.tokenizer_vocab_size(tok)
+    dtype = token_dtype(vocab)
+    shard_dir = root / "shards"
+    done_units = [0, 0]
+
+    def on_unit(meta: dict[str, Any], encoded: bool) -> None:
+        done_units[encoded] += 1
+        if encoded and progress:
+            say(f"unit {meta['unit']} written ({done_units[1]} encoded, {done_units[0]} reused)")
+
+    say(f"tokenising with {workers} worker(s) into shards of ~{shard_bytes:,} bytes of text")
+    dom_index = {d: i for i, d in enumerate(domains)}
+    metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes), shard_dir,
+                         {"tokenizer_json": tok.to_str(), "eos_id": eos[1], "dtype": dtype.name,
+                          "out_dir": str(shard_dir), "domains": domains}, workers, on_unit)
+    splits = {s: write_split_index(root, shard_dir, s, metas, domains) for s in SPLITS}
+    shards = {name: meta for u in metas for name, meta in u["files"].items()
+              if name.endswith(".bin")}
+    m = {"format": STORE_FORMAT, "key": key, "dir": key[:16], "domains": domains,
+         "dtype": dtype.name,
+         "config": {"sources": list(cfg.sources), "max_bytes_per_domain": cfg.max_bytes_per_domain,
+                    "val_fraction": cfg.val_fraction, "test_fraction": cfg.test_fraction,
+                    "vocab_size": cfg.vocab_size, "tokenizer": cfg.tokenizer,
+                    "tokenizer_train_bytes": cfg.tokenizer_train_bytes,
+                    "shard_bytes": shard_bytes},
+         "corpus": {"splits": plan["splits"], "sources_used": plan["sources_used"],
+                    "sources_missing": plan["sources_missing"], "licences": plan["licences"]},
+         "tokenizer": {"sha256": sha256_file(root / "tokenizer.json"),
+                       "bytes": (root / "tokenizer.json").stat().st_size,
+                       "source": (f"loaded from {Path(cfg.tokenizer).resolve()}" if cfg.tokenizer
+                                  else f"trained (byte-level BPE, vocab {cfg.vocab_size})"),
+                       "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
+         "tokens": {"dtype": dtype.name, "splits": splits},
+         "shards": shards}
+    atomic_write_json(store / "manifest.json", m)
+    for other in store.iterdir():  # earlier builds of other settings
+        if other.is_dir() and other.name != root.name:
+            shutil.rmtree(other, ignore_errors=True)
+    say("data ready")
+    return m
+
+
+def verify_store(cache: Path) -> list[str]:
+    """Every problem of the finished store in ``cache`` (full sha256 of every file)."""
+    store = cache / STORE_DIR
+    m = read_json(store / "manifest.json")
+    if not isinstance(m, dict) or m.get("format") != STORE_FORMAT:
+        return [f"no finished sharded store in {store} (run `remoe data`)"]
+    root = store / m["dir"]
+    problems = []
+    for rel, meta in sorted(all_files(m).items()):
+        p = file_problem(root / rel, meta, full=True)
+        if p is not None:
+            problems.append(f"{rel}: {p}")
+            if rel.startswith("shards/") and (root / rel).is_file():
+                os.unlink(root / rel)  # the next `remoe data` rebuilds that unit
+    if problems and (store / "manifest.json").is_file():
+        os.unlink(store / "manifest.json")
+    return problems
+
+
+def train_documents(root: Path, domain: str | None = None) -> list:
+    """The train documents of the store in ``root``, read again from the sources (their text
+    is not kept), domain by domain in stream order. The sources must not have changed."""
+    from remoe.data.config import DataConfig
+    from remoe.data.documents import Document
+
+    m = read_json(root.parent / "manifest.json")
+    loaded = load_plan(root)
+    if not isinstance(m, dict) or loaded is None:
+        raise FileNotFoundError(f"no finished sharded store in {root.parent} (run `remoe data`)")
+    c = m["config"]
+    cfg = DataConfig(sources=c["sources"], max_bytes_per_domain=c["max_bytes_per_domain"])
+    _, labels = loaded
+    out: list[Document] = [d for i, d in enumerate(_docs(cfg, root)) if labels[i] == 0 and
+                           d.text is not None and (domain is None or d.domain == domain)]
+    out.sort(key=lambda d: d.domain)  # stable: stream order within a domain
+    return out
