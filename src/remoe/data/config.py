@@ -60,11 +60,13 @@ class DataConfig:
                 raise ConfigError(f"data.sources[{i}]={spec!r}: {e}") from None
             if parsed.kind == "path":
                 p = Path(str(parsed.path))
-                if not p.exists():
+                from remoe.data.megatron import megatron_prefix
+
+                if not p.exists() and megatron_prefix(str(p)) is None:
                     why = ("is a symbolic link that leads nowhere (dangling or a loop)"
                            if p.is_symlink() else "does not exist")
                     raise ConfigError(f"data.sources[{i}]={spec!r} {why}")
-                if not (p.is_file() or p.is_dir()):  # reading a FIFO hangs, a device never ends
+                if p.exists() and not (p.is_file() or p.is_dir()):  # reading a FIFO hangs, a device never ends
                     raise ConfigError(f"data.sources[{i}]={spec!r} is neither a regular file "
                                       "nor a directory (a FIFO, socket or device)")
         if not isinstance(self.cache_dir, (str, Path)) or not str(self.cache_dir) or (

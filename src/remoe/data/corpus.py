@@ -45,6 +45,7 @@ class SourceSpec:
     domains: tuple[str, ...] | None = None  # builtin subset
     path: str | None = None
     domain: str | None = None  # name override for a path
+    options: tuple[tuple[str, str], ...] = ()  # PATH?text=COL&domain=COL (Parquet columns)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -66,10 +67,18 @@ def parse_source(spec: str) -> SourceSpec:
             raise ValueError(f"source {spec!r}: unknown built-in domain(s) {unknown or '(none)'}; "
                              f"known: {', '.join(BUILTIN_DOMAINS)}")
         return SourceSpec("builtin", domains=doms)
+    options: tuple[tuple[str, str], ...] = ()
+    if "?" in s and not Path(s).exists():
+        s, query = s.split("?", 1)
+        pairs = [q.split("=", 1) for q in query.split("&") if q]
+        bad = [q for q in pairs if len(q) != 2 or q[0] not in ("text", "domain") or not q[1]]
+        if bad:
+            raise ValueError(f"source {spec!r}: options are ?text=COLUMN&domain=COLUMN")
+        options = tuple((k, v) for k, v in pairs)
     m = _NAMED_SPEC.match(s)
     if m and not Path(s).exists():
-        return SourceSpec("path", path=m.group(2), domain=m.group(1))
-    return SourceSpec("path", path=s)
+        return SourceSpec("path", path=m.group(2), domain=m.group(1), options=options)
+    return SourceSpec("path", path=s, options=options)
 
 
 @dataclass

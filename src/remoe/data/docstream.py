@@ -125,7 +125,7 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
         root = Path(spec.path).resolve().name
         roots[root] = roots.get(root, 0) + 1
         suffix = f"#{roots[root]}" if roots[root] > 1 else ""
-        for doc in read_user_source(spec.path, spec.domain):
+        for doc in read_user_source(spec.path, spec.domain, dict(spec.options)):
             if suffix:
                 doc = Document(doc.domain, doc.key + suffix, doc.text)
             if budget.offer(doc, user=True):

@@ -28,13 +28,14 @@ from remoe.data.errors import DataError, DataNotFoundError
 log = logging.getLogger("remoe.data")
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
+PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt",)
 UNKNOWN_DOMAIN = "unknown"
 
 
 def is_data_file(path: Path) -> bool:
     name = path.name.lower()
-    return name.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES)
+    return name.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES + PARQUET_SUFFIXES)
 
 
 _READ_CHUNK = 1 << 16  # also the granularity of "how far it got" in errors
@@ -217,7 +218,8 @@ def read_text_file(path: Path, domain: str | None, key: str,
     return Document(domain or path.parent.name or UNKNOWN_DOMAIN, key, decode_text(data))
 
 
-def read_user_source(path: str | os.PathLike[str], domain: str | None = None) -> Iterator[Document]:
+def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
+                     options: dict[str, str] | None = None) -> Iterator[Document]:
     """Documents under ``path`` (a file or a directory walked in sorted order).
 
     Keys are paths relative to the parent of ``path`` (so ``corpus/a/b.txt`` has key
@@ -263,6 +265,10 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None) ->
                Path(root_resolved.name) / p.relative_to(root)).as_posix()
         if p.name.lower().endswith(JSONL_SUFFIXES):
             yield from read_jsonl(p, domain=domain, key_prefix=rel)
+        elif p.name.lower().endswith(PARQUET_SUFFIXES):
+            from remoe.data.parquet import read_parquet
+
+            yield from read_parquet(p, domain, rel, options or {})
         elif p.name.lower().endswith(TEXT_SUFFIXES):
             n_txt += 1
             yield read_text_file(p, domain, rel, stats)
