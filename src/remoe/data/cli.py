@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-fraction", type=float, default=None,
                         help=f"test share of documents (default: {d.test_fraction})")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="tokenise with N processes (default: 1)")
+    parser.add_argument("--shard-bytes", type=int, default=None, metavar="B",
+                        help="bytes of text per token shard (default: 64 MiB)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the sha256 of every file of the finished store; damaged "
+                             "shards are rebuilt")
 
 
 _OPTIONS = {"sources": "--source", "cache_dir": "--cache-dir", "vocab_size": "--vocab-size",
@@ -79,6 +86,19 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
     )
 
 
+def _build_options(args: argparse.Namespace) -> dict:
+    workers = getattr(args, "workers", 1)
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"--workers={workers} must be >= 1")
+    out = {"workers": workers}
+    shard = getattr(args, "shard_bytes", None)
+    if shard is not None:
+        if shard < 1:
+            raise ConfigError(f"--shard-bytes={shard} must be >= 1")
+        out["shard_bytes"] = shard
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``remoe data``; returns the process exit code."""
     from remoe.data.pipeline import prepare_data
@@ -86,7 +106,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args).validate()
-        bundle = prepare_data(cfg, progress=not args.quiet)
+        extra = _build_options(args)
+        if getattr(args, "verify", False):
+            from pathlib import Path
+
+            from remoe.data.streambuild import verify_store
+
+            problems = verify_store(Path(cfg.cache_dir))
+            for p in problems:
+                print(f"damaged: {p}", file=sys.stderr)
+            print(f"verify: {'no problem' if not problems else f'{len(problems)} problem(s)'}",
+                  file=sys.stderr)
+        bundle = prepare_data(cfg, progress=not args.quiet, **extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
