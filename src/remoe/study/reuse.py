@@ -46,3 +46,25 @@ def _link_or_copy(src: str, dst: str) -> str:
         return dst
     except OSError:
         return shutil.copy2(src, dst)
+
+
+def adopt_identical(study, selected) -> None:
+    """``remoe study --reuse DIR``: a run of ``study`` not started here whose experiment
+    (config minus run name and directory; seed included) finished in another study is taken
+    over, hard-linked where the file system allows, instead of being trained again. In
+    dependency order (``selected``), so a FLOP-matched run can match its adopted reference."""
+    found = study.finished_elsewhere()
+    for r in selected:
+        d = study.run_dir(r)
+        if study.trained(r) or study.has_checkpoint(r) or (d.exists() and any(d.iterdir())):
+            continue
+        if (r.match_of and study.match_flops(r) is None) or r.init_of:
+            continue  # no stop point yet, or weights of this study's own run
+        want = same_experiment(study.full_config(r))
+        src = next((p for p, cfg in found if cfg == want), None)
+        if src is None:
+            continue
+        take_over(src, d)
+        study.log(f"  reuse {r.name}  <- {src} (the same experiment, finished)")
+        st = study.states[r.name]
+        st.state, st.message = ("done" if study.done(r) else "pending"), f"reused from {src}"

@@ -7,13 +7,10 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
+from typing import Any, Iterable
 
 from remoe.errors import ConfigError
-
-if TYPE_CHECKING:
-    from remoe.study.spec import RunSpec, StudySpec
+from remoe.study.runspec import RunSpec
 
 
 def apply_stop(run: RunSpec, out_dir: Path, threads: int | None,
@@ -61,9 +58,9 @@ def load_run_config(cfg: dict[str, dict[str, Any]]):
     return load_config(cfg)
 
 
-def validate_runs(spec: StudySpec) -> None:
+def validate_runs(runs: Iterable[RunSpec]) -> None:
     """Every expanded run's config through the experiment loader, before anything runs."""
-    for r in spec.runs:
+    for r in runs:
         try:
             load_run_config(apply_stop(r, Path("study-check"), None, None))
         except ConfigError as e:

@@ -34,10 +34,11 @@ from remoe.study.archive import committed_dir, export_run, up_to_date
 from remoe.study.children import (atomic_write, config_diff, default_command,
                                   die_with_parent, eval_command, eval_done, read_json, read_yaml,
                                   same_experiment, tail)
-from remoe.study.reuse import finished_runs, take_over
+from remoe.study.reuse import adopt_identical, finished_runs
 from remoe.study.runconfig import apply_stop, load_run_config
 from remoe.study.runstate import RunState, add_wall, last_write
-from remoe.study.spec import RunSpec, StudySpec
+from remoe.study.runspec import RunSpec
+from remoe.study.spec import StudySpec
 
 STATE_FILE = "study.json"
 GRACE_S = 30.0  # Ctrl-C: seconds children get to exit before SIGKILL
@@ -172,27 +173,6 @@ class Study:
                               f"{where} or choose another --out")
 
     # -- reuse of identical runs from other studies ------------------------------------------
-    def _adopt_identical(self, selected: list[RunSpec]) -> None:
-        """``--reuse DIR``: a run not started here whose experiment (config minus run name and
-        directory; seed included) finished in another study is taken over, hard-linked where
-        the file system allows, instead of being trained again. In dependency order, so a
-        FLOP-matched run can match its adopted reference."""
-        found = self.finished_elsewhere()
-        for r in selected:
-            d = self.run_dir(r)
-            if self.trained(r) or self.has_checkpoint(r) or (d.exists() and any(d.iterdir())):
-                continue
-            if (r.match_of and self.match_flops(r) is None) or r.init_of:
-                continue  # no stop point yet, or weights of this study's own run
-            want = same_experiment(self.full_config(r))
-            src = next((p for p, cfg in found if cfg == want), None)
-            if src is None:
-                continue
-            take_over(src, d)
-            self.log(f"  reuse {r.name}  <- {src} (the same experiment, finished)")
-            st = self.states[r.name]
-            st.state, st.message = ("done" if self.done(r) else "pending"), f"reused from {src}"
-
     def finished_elsewhere(self) -> list[tuple[Path, dict[str, Any]]]:
         return finished_runs(self.reuse, exclude=self.runs_dir)
 
@@ -254,7 +234,7 @@ class Study:
         self.check_existing(selected)
         self.refresh_done()
         if self.reuse:
-            self._adopt_identical(selected)
+            adopt_identical(self, selected)
         todo = [r for r in selected if self.states[r.name].state != "done"]
         done = len(selected) - len(todo)
         self.log(f"study {self.spec.name}: {len(selected)} runs ({done} done, {len(todo)} to run), "

@@ -38,6 +38,7 @@ import yaml
 
 from remoe.errors import ConfigError
 from remoe.study.runconfig import validate_runs
+from remoe.study.runspec import RunSpec, fmt_value
 from remoe.study.specfields import (SECTIONS, check, clean_name, dotted, merge, sections,
                                     seed_list, stop_rule)
 
@@ -53,38 +54,6 @@ SHORT = {"model.router": "", "model.reg_type": "", "model.sparsity_control": "",
          "model.lambda_update": "", "model.num_experts": "E", "model.top_k": "k",
          "model.granularity": "G", "model.lambda0": "lambda0_", "model.alpha": "alpha",
          "model.max_active": "cap", "train.lr": "lr", "train.max_steps": "steps"}
-
-
-@dataclass
-class RunSpec:
-    """One expanded run: ``config`` is the full experiment (sections dict) without its stop
-    rule applied; :func:`apply_stop` adds it."""
-
-    name: str
-    label: str
-    group: str
-    seed: int
-    overrides: dict[str, Any]  # the spec's overrides of this run (group set + grid + run set)
-    config: dict[str, dict[str, Any]]
-    stop: dict[str, float] | None = None
-    match_of: tuple[str, ...] = ()  # the runs whose FLOPs (summed) this one matches
-    init_of: str | None = None  # the run whose weights this one starts from
-
-    @property
-    def deps(self) -> tuple[str, ...]:
-        """The runs that must have trained before this one starts."""
-        return self.match_of + ((self.init_of,) if self.init_of else ())
-
-    def describe_overrides(self, skip: tuple[str, ...] = ()) -> str:
-        return " ".join(f"{k}={_fmt_value(v)}" for k, v in self.overrides.items() if k not in skip)
-
-    def describe_stop(self) -> str:
-        if self.match_of:
-            return f"flops of {' + '.join(self.match_of)}"
-        if self.stop:
-            (k, v), = self.stop.items()
-            return f"{k} {v:.3g}" if k == "flops" else f"{k} {int(v)}"
-        return f"steps {self.config['train'].get('max_steps', 'default')}"
 
 
 @dataclass
@@ -150,14 +119,6 @@ def _eval_section(raw: Any) -> tuple[str | None, int | None, bool]:
     return tasks.strip(), limit, loss
 
 
-def _fmt_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
 def auto_label(point: dict[str, Any]) -> str:
     """``{"model.router": "relu", "model.num_experts": 32}`` -> ``relu-E32``."""
     parts = []
@@ -167,7 +128,7 @@ def auto_label(point: dict[str, Any]) -> str:
             parts.append(last if v else f"no_{last}")
             continue
         prefix = SHORT.get(key, "" if isinstance(v, str) else last)
-        parts.append(f"{prefix}{_fmt_value(v)}")
+        parts.append(f"{prefix}{fmt_value(v)}")
     return "-".join(parts)
 
 
@@ -273,7 +234,7 @@ def load_spec(path: str | Path, validate: bool = True) -> StudySpec:
             r.match_of += (dep,)
     spec.ordered()  # cycle check
     if validate:
-        validate_runs(spec)
+        validate_runs(spec.runs)
     return spec
 
 
