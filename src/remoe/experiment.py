@@ -95,9 +95,11 @@ class TrainConfig:
     tensorboard: bool = False
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast on CUDA) | fp32 | bf16
-    # torch intra-op threads; null: chosen by measurement (remoe.machine.threads.ThreadTuner: all usable
-    # cores or 1, whichever runs faster, re-checked every thread_probe_every steps)
-    num_threads: int | None = None
+    # torch intra-op threads (remoe.machine.threads), fixed when the run starts and reused on
+    # resume: null = all usable cores (CPU affinity, OMP_NUM_THREADS; never the load), N = N;
+    # auto = all usable cores or 1, whichever runs faster, re-timed every thread_probe_every
+    # steps (faster beside busy processes, but not bit-reproducible across loads)
+    num_threads: int | str | None = None
     thread_probe_every: int = 50
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
     # layer (remoe.distributed.expert_parallel); no-op with one process
@@ -136,8 +138,11 @@ class TrainConfig:
                f"train.device={self.device!r} must be one of auto, cpu, cuda")
         _check(self.precision in ("auto", "fp32", "bf16"),
                f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
-        _check(self.num_threads is None or self.num_threads >= 1,
-               f"train.num_threads={self.num_threads!r} must be >= 1 or null")
+        _check(self.num_threads is None or self.num_threads == "auto" or (
+            isinstance(self.num_threads, int) and not isinstance(self.num_threads, bool)
+            and self.num_threads >= 1),
+               f"train.num_threads={self.num_threads!r} must be an integer >= 1, null (all usable "
+               "cores) or auto (timed)")
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
@@ -330,11 +335,23 @@ def check_expert_parallel(router: str, num_routed: int, world_size: int | None =
                           f"divisible by the world size ({world_size})")
 
 
-def config_path(arg: str | None) -> Path | None:
+def check_set_syntax(arg: str | None, overrides: list[str] | None) -> None:
+    """``--set KEY VALUE`` (no ``=``): argparse took VALUE for the config file; name the slip
+    (one line) before the missing file is reported."""
+    for text in overrides or []:
+        if "=" in text:
+            continue
+        value = arg if arg is not None and not Path(arg).exists() else "VALUE"
+        raise ConfigError(f"--set {text} has no '=': did you mean --set {text.strip()}={value}?")
+
+
+def config_path(arg: str | None, overrides: list[str] | None = None) -> Path | None:
     """The experiment file a command reads: ``arg`` (ConfigError if it does not exist, with the
     nearest match under ``configs/``, or the ``--set`` it looks like), else the default
     experiment :data:`DEFAULT_CONFIG` when running from a source checkout (None otherwise:
-    the dataclass defaults, the same tiny ReMoE)."""
+    the dataclass defaults, the same tiny ReMoE). ``overrides``: the command's ``--set``
+    values, checked first (:func:`check_set_syntax`)."""
+    check_set_syntax(arg, overrides)
     if arg is None:
         return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
     path = Path(arg)

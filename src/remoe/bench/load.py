@@ -1,7 +1,7 @@
 """``remoe bench --suite load``: the default training run alone and beside one busy process.
 
-For each thread setting (all usable cores, 1 thread, and ``auto`` = ``train.num_threads: null``,
-the trainer's :class:`remoe.machine.threads.ThreadTuner`) and each condition (the machine to itself;
+For each thread setting (all usable cores, 1 thread, and ``train.num_threads: auto``, the
+trainer's opt-in timing :class:`remoe.machine.threads.ThreadTuner`) and each condition (the machine to itself;
 one CPU-bound process spinning beside it), a short ``remoe train`` of the default config runs
 in its own process, and the median tokens/s of its steps after the tuner's first probe window
 is read back from ``metrics.jsonl``. This is the measurement behind the threads default: it
@@ -26,7 +26,7 @@ SPINNER = "while True: pass"
 
 def _settings(cores: int) -> list[tuple[str, str]]:
     rows = [(f"{cores} threads (fixed)", str(cores)), ("1 thread (fixed)", "1"),
-            ("auto (default)", "null")]
+            ("auto (timed)", "auto")]
     return rows if cores > 1 else rows[1:]
 
 

@@ -70,7 +70,7 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
 
         from remoe.experiment import config_path, load_config
 
-        data = load_config(config_path(args.config), args.overrides).data
+        data = load_config(config_path(args.config, args.overrides), args.overrides).data
         data.cache_dir = str(Path(data.cache_dir).resolve())  # as the trainer resolves it
         return data
     d = DataConfig()

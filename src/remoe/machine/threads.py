@@ -1,20 +1,25 @@
-"""Intra-op thread count chosen by measurement, so training survives a machine that is shared.
+"""Intra-op thread count of a run: fixed when it starts, recorded, reused on resume.
 
-Why: torch's CPU kernels run OpenMP parallel regions that end in a barrier. When another busy
-process shares a core, the thread on that core is descheduled for a whole scheduler slice while
-its siblings wait at the barrier, and a step made of hundreds of small parallel regions pays
-that wait hundreds of times: the default run fell from ~2,100 to ~180 tokens/s at 2 threads
-beside one busy process (issue 15), while 1 thread only loses its share of the core.
+The policy (``train.num_threads``):
 
-``ThreadTuner`` (``train.num_threads: null``, the default) therefore measures instead of
-guessing: every ``probe_every`` optimizer steps it times ``probe_steps`` steps with each
-candidate thread count (all usable cores, and 1) and keeps the faster one until the next probe.
-The probes cost a few steps at the slower setting; a fixed ``train.num_threads=N`` turns it off.
-The results of a step do not depend on the thread count, so tuning never changes the numbers:
-MKL's sgemm does give other bits at 2 threads than at 1 for products over a few rows (an expert
-that received 5-11 tokens, issue 29), and the fused experts run those on one thread
-(``remoe.model.fused_cpu.SMALL_MM_ROWS``); tests/reliability/test_thread_count.py trains at 1 and 2
-threads and resumes at another count, bit for bit.
+* ``null`` (the default): all usable cores (:func:`usable_cores`: the CPU affinity, capped by
+  ``OMP_NUM_THREADS``; never the machine's load). The count is recorded in the run (every
+  checkpoint's trainer state, ``threads`` in ``metrics.jsonl``) and a ``--resume`` reuses the
+  recorded count, whatever the resuming process would default to.
+* ``N``: N threads.
+* ``auto``: :class:`ThreadTuner` picks all usable cores or 1 by timing real steps, re-checked
+  every ``train.thread_probe_every`` steps. Faster beside busy processes (a 2-thread process
+  beside one busy process fell ~10x: its OpenMP barriers wait for a descheduled sibling, while 1
+  thread only loses its share of the core), but not bit-reproducible across loads: the count
+  then follows the load, and a step's bits may depend on the thread count.
+
+Why fixed by default: a step's numbers are a function of its inputs and of the thread count.
+On AMD (AVX2 MKL kernels) the fused experts make 1 and 2 threads give the same bits (small
+products run on one thread, ``remoe.model.fused_cpu.SMALL_MM_ROWS``), but Intel's AVX-512 MKL
+kernels give other bits at 2 threads than at 1 (a 4-step micro run differed at step 2 in the
+8th digit). With the count fixed, the same config and seed give the same numbers on one machine
+whatever runs beside it. :func:`fix_threads` applies the policy for training, evaluation and
+analysis alike and prints :func:`load_hint` when other processes load the machine.
 """
 
 from __future__ import annotations
@@ -37,6 +42,41 @@ def usable_cores(local_world_size: int = 1) -> int:
     if omp.isdigit() and int(omp) >= 1:  # the user's (or launcher's) cap is respected
         cores = min(cores, int(omp))
     return cores
+
+
+#: what the hint suggests to a training run; eval and analysis suggest OMP_NUM_THREADS=1
+TRAIN_FIX = "--set train.num_threads=1 (or OMP_NUM_THREADS=1)"
+
+
+def load_hint(command: str, threads: int, fix: str = TRAIN_FIX) -> str | None:
+    """One line suggesting one thread when the machine is busy and ``threads`` > 1 (a hint
+    only: the count stays what the policy chose)."""
+    if threads <= 1:
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not Unix
+        return None
+    if load < 0.75:
+        return None
+    return (f"{command}: note: load average {load:.1f}: other processes use this machine; "
+            f"beside other jobs {fix} runs faster; this one keeps {threads} threads (fixed at its "
+            "start, so its numbers do not follow the load)")
+
+
+def fix_threads(command: str, requested: int | None = None, local_world_size: int = 1,
+                hint: bool = True, fix: str = "OMP_NUM_THREADS=1") -> int:
+    """Set and return the intra-op thread count of a command: ``requested`` (a recorded or
+    configured count) or all usable cores; prints :func:`load_hint` (to stderr) when asked."""
+    import sys
+
+    threads = requested if requested else usable_cores(local_world_size)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    line = load_hint(command, threads, fix) if hint else None
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return threads
 
 
 class ThreadTuner:

@@ -139,10 +139,11 @@ FUSED_CHUNK_BYTES = 4 << 20
 
 #: an expert's product over fewer rows than this runs on one intra-op thread. MKL's sgemm gives
 #: other bits at 2 threads than at 1 for a few rows (5-11 rows at D=256 on this machine's
-#: AVX2 MKL, issue 29); with them on one thread a step's numbers do not depend on the thread
-#: count the tuner picks (remoe.machine.threads), and at one thread nothing changes. Larger products
-#: measure equal at 1 and 2 threads (tests/reliability/test_thread_count.py). The same holds
-#: for the batched products of padded chunks (a batch of one is a plain product).
+#: AVX2 MKL, issue 29); with them on one thread, 1 and 2 threads give the same bits on that
+#: CPU, and at one thread nothing changes. Not on every CPU: Intel's AVX-512 MKL gives other bits
+#: at 2 threads for larger products too, so a run fixes its thread count at its start and a
+#: resume reuses it (remoe.machine.threads). The same holds for the batched products of padded
+#: chunks (a batch of one is a plain product).
 SMALL_MM_ROWS = 64
 
 

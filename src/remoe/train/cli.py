@@ -112,12 +112,28 @@ def _check_writable(run_dir) -> None:
                           f"{anc}); choose another run.out_dir") from None
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: the user's own, without --overwrite, plus
+    --resume."""
+    import shlex
+
+    cmd = ["remoe", "train"] + ([args.config] if args.config is not None else [])
+    for o in args.overrides:
+        cmd += ["--set", o]
+    if args.no_progress:
+        cmd.append("--no-progress")
+    if args.allocator != "auto":
+        cmd += ["--allocator", args.allocator]
+    return shlex.join(cmd + ["--resume"])
+
+
 def run(args: argparse.Namespace) -> int:
     from remoe.experiment import config_path, load_config
 
     # fails fast, before any data (with train.init_from the default file's model: section,
     # the default model, is not an override of the source's)
-    cfg = load_config(config_path(args.config), args.overrides, default_file=args.config is None)
+    cfg = load_config(config_path(args.config, args.overrides), args.overrides,
+                      default_file=args.config is None)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
@@ -127,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     _prepare_run_dir(cfg, args)  # before any data or model work
     from remoe.machine.allocator import configure as configure_allocator
     from remoe.train.metrics import format_summary
+    from remoe.train.interrupt import TrainingInterrupted
     from remoe.train.optim import TrainingDiverged
     from remoe.train.trainer import Trainer
 
@@ -140,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
             summary = trainer.train()
         finally:
             trainer.close()
+    except TrainingInterrupted as e:
+        print(f"remoe train: interrupted after step {e.step}; checkpoint {e.checkpoint}\n"
+              f"resume with: {resume_command(args)}", file=sys.stderr)
+        return 130
     except TrainingDiverged as e:
         print(f"remoe train: error: {e}", file=sys.stderr)
         return 3

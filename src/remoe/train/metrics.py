@@ -15,8 +15,9 @@ from remoe.errors import ConfigError
 
 #: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
 #: two runs of one config (and between a run and its resume) while every other number is equal.
-#: ``threads`` belongs here because the auto thread count is chosen by timing, and the model's
-#: results do not depend on it (checked bit for bit at 1 and 2 threads).
+#: ``threads`` belongs here as a setting of the machine, not a result: the default fixes it at
+#: the run's start and a resume reuses it (remoe.machine.threads); the same count gives the same
+#: bits, and whether another count does depends on the CPU.
 MACHINE_KEYS = ("tokens_per_s", "elapsed_s", "threads")
 
 

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from remoe.machine.threads import ThreadTuner, usable_cores
+from remoe.machine.threads import ThreadTuner, fix_threads, usable_cores
 from remoe.distributed.setup import DistInfo, init_distributed, resolve_device
 
 
 @dataclass
 class Runtime:
-    threads: ThreadTuner | None  # None: train.num_threads fixed the thread count
+    threads: ThreadTuner | None  # the timing tuner (train.num_threads=auto only)
+    num_threads: int | None  # the fixed count (None: auto); a resume may replace it (recorded)
     dist: DistInfo
     device: torch.device
     autocast_dtype: torch.dtype | None  # None: fp32
@@ -21,16 +22,19 @@ class Runtime:
 
 def setup_runtime(tc) -> Runtime:
     """Threads, process group and device of ``tc`` (the ``train`` section)."""
-    threads = None  # train.num_threads=N: fixed; null: chosen by measurement
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # null: all usable cores, N: N (remoe.machine.threads; the trainer reuses a resumed run's
+    # recorded count and prints the load hint once it knows the count); auto: timed
+    threads, fixed = None, None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if tc.num_threads == "auto":
         threads = ThreadTuner(usable_cores(local), probe_every=tc.thread_probe_every)
+    else:
+        fixed = fix_threads("remoe train", tc.num_threads, local, hint=False)
     want_cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
     info = init_distributed("cuda" if want_cuda else "cpu")
     device = resolve_device(tc.device, info)
     precision = tc.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    return Runtime(threads, info, device, torch.bfloat16 if precision == "bf16" else None)
+    return Runtime(threads, fixed, info, device,
+                   torch.bfloat16 if precision == "bf16" else None)

@@ -42,6 +42,7 @@ from remoe.experiment import ExperimentConfig, padded_vocab
 from remoe.distributed.fsdp import shard_model
 from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
+from remoe.train.interrupt import StopOnInterrupt, TrainingInterrupted
 from remoe.train.masks import calibration_set, write_masks
 from remoe.train.progress import ProgressLines, open_progress, stats_text
 from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
@@ -68,6 +69,7 @@ class Trainer:
         hf_logging.disable_progress_bar()  # no "Writing model shards" bars at every checkpoint
         rt = setup_runtime(tc)  # threads, process group, device, precision
         self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
+        self.num_threads = rt.num_threads  # fixed for the run (None: train.num_threads=auto)
         self.autocast_dtype = rt.autocast_dtype
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
@@ -136,6 +138,7 @@ class Trainer:
                                                       self.dist.is_main, self._barrier,
                                                       self.model_cfg)
         try:
+            self._settle_threads(state)
             self.tokenizer_path = getattr(self.data, "tokenizer_path", None)
             if self.dist.is_main:  # the run's own tokenizer: a rebuilt cache cannot change it
                 self.tokenizer_path = ckpt_io.keep_run_tokenizer(self.run_dir, self.data,
@@ -184,6 +187,24 @@ class Trainer:
                                       input_ids.to(self.device), self.dist.enabled)
         return model
 
+    def _settle_threads(self, state: dict[str, Any] | None) -> None:
+        """The run's thread count: a resume under ``train.num_threads: null`` reuses the count
+        the run recorded (its checkpoint's, else its last metrics line's), so the resumed steps
+        compute what the uninterrupted run would have; then the load hint (rank 0)."""
+        if self.threads is not None:  # train.num_threads=auto: timed, not fixed
+            return
+        from remoe.machine.threads import fix_threads
+
+        recorded = None
+        if state is not None and self.cfg.train.num_threads is None:
+            recorded = state.get("num_threads") or (state.get("last_record") or {}).get("threads")
+        want = recorded if isinstance(recorded, int) and recorded >= 1 else self.num_threads
+        if recorded is not None and recorded != self.num_threads and self.dist.is_main:
+            rundir.say(f"--resume: {want} threads, as the run recorded (this process would "
+                       f"use {self.num_threads})")
+        self.num_threads = fix_threads("remoe train", want, hint=self.dist.is_main,
+                                       fix="--set train.num_threads=1 (or OMP_NUM_THREADS=1)")
+
     def _barrier(self) -> None:
         if self.dist.enabled:
             dist.barrier()
@@ -205,7 +226,7 @@ class Trainer:
     def _state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops,
-            "elapsed": self.elapsed,
+            "elapsed": self.elapsed, "num_threads": self.num_threads,
             "optimizer": (self.optimizer.state_dict() if optimizer_state is None
                           else optimizer_state),
             "controller": self.controller.state_dict() if self.controller else None,
@@ -391,18 +412,26 @@ class Trainer:
             self.record_masks()
         reason = self._should_stop()
         last_rec = None
+        # Ctrl-C: the step in progress finishes, then a checkpoint (remoe.train.interrupt)
+        ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
         try:
-            while reason is None:
-                rec = self.train_step()
-                last_rec = rec
-                self._log(rec, bar)
-                if ac.record_masks_every and self.step % ac.record_masks_every == 0:
-                    self.record_masks()
-                if tc.eval_every and self.step % tc.eval_every == 0:
-                    self.evaluate()
-                reason = self._should_stop()
-                if tc.save_every and self.step % tc.save_every == 0 and reason is None:
-                    self.save()
+            with ctrl_c:
+                while reason is None:
+                    rec = self.train_step()
+                    last_rec = rec
+                    self._log(rec, bar)
+                    if ac.record_masks_every and self.step % ac.record_masks_every == 0:
+                        self.record_masks()
+                    if tc.eval_every and self.step % tc.eval_every == 0:
+                        self.evaluate()
+                    reason = self._should_stop()
+                    if tc.save_every and self.step % tc.save_every == 0 and reason is None:
+                        self.save()
+                    if ctrl_c.requested and reason is None:
+                        if self._saved_step != self.step:
+                            self.save()
+                        raise TrainingInterrupted(
+                            self.step, self.ckpt_root / f"step_{self.step:07d}")
         finally:
             if bar is not None:
                 bar.close()
