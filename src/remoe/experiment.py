@@ -107,6 +107,7 @@ class TrainConfig:
     # FSDP2 under torchrun: decoder blocks and root sharded over the ranks, sharded (DCP)
     # checkpoints (remoe.distributed.fsdp, remoe.distributed.dcp; docs/SCALING.md)
     fsdp: bool = False
+    compile: bool = False  # torch.compile each decoder block (remoe.train.compile); off: eager
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
     # directory (converted on the fly); the model: section then holds overrides only

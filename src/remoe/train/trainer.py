@@ -35,7 +35,7 @@ from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
 from remoe.method.losses import penalty, step_statistics, total_loss
 from remoe.method.sparsity import build_controller
-from remoe.train import checkpoint as ckpt_io
+from remoe.train import checkpoint as ckpt_io, compile as compiling
 from remoe.train.accumulate import StepSums
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig, padded_vocab
@@ -106,6 +106,8 @@ class Trainer:
             self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         # train.expert_parallel: this rank's slice of the experts (None: off or one process)
         self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
+        if tc.compile:  # each decoder block compiled in place, before FSDP (remoe.train.compile)
+            compiling.compile_blocks(self.model)
         # train.fsdp: FSDP2 over the blocks and the root (remoe.distributed.fsdp; None otherwise)
         self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
                      if tc.fsdp else None)

@@ -1,0 +1,41 @@
+"""``train.compile=true``: each decoder block compiled on its own, in place.
+
+As torchtitan does for its transformer blocks: the blocks share one code object, so dynamo
+traces a block once and every block of the model runs the same compiled graphs (the parameters
+are graph inputs); the embedding, the final norm, the LM head and the loss stay eager. Applied
+after expert parallelism and before FSDP. ``nn.Module.compile`` compiles in place, so the
+parameter names, the state dict and the checkpoints are those of the eager model.
+
+Shapes: a block's tensors are sized by the tokens of a micro-batch (fixed in training) and,
+on the device path, by the static capacity of the dispatch plan (:func:`remoe.model.dispatch.plan`
+pads data-dependent routing to ``T*N`` rows), so a change of routing does not recompile. What
+does: a new micro-batch shape (evaluation batches; automatic dynamic shapes then make that
+dimension symbolic), and grad mode on / off (training vs evaluation). The fused CPU backend
+(a custom kernel walking a host-side plan) is not traceable; dynamo runs it eagerly between
+graphs, so on CPU ``model.expert_backend=grouped_mm`` is the compileable path.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def compile_blocks(model: nn.Module, **options) -> int:
+    """Compile every block of ``model.layers`` in place (``torch.compile`` ``options``, e.g.
+    ``backend=``); the number of blocks compiled."""
+    blocks = list(getattr(model, "layers", ()))
+    for block in blocks:
+        block.compile(**options)
+    return len(blocks)
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's process-wide counters: frames compiled (``frames``: one per compiled graph
+    entry, recompilations included) and graph breaks (``graph_breaks``)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+__all__ = ["compile_blocks", "compile_counters"]
