@@ -113,8 +113,27 @@ def analyze(run: Run, out: Path, opts: Options, log=print, reuse: bool = False) 
                 attempt("allocation", analyze_allocation, run, stats, names, out, opts)
     if "gates" in opts.what:
         attempt("gates", analyze_gates, run, out, opts, others)
+    result = merge_previous(_read_result(out / "analysis.json"), result)
     write_json(out / "analysis.json", result)
     return json_safe(result)
+
+
+def merge_previous(prev: dict[str, Any] | None, result: dict[str, Any]) -> dict[str, Any]:
+    """``analysis.json`` is updated, never replaced by a poorer result: an analysis not run now,
+    or skipped now, keeps its earlier numbers (of the same run); ``skipped`` then lists only
+    what has no numbers. ``kept`` names the analyses whose numbers are earlier ones."""
+    if not isinstance(prev, dict) or prev.get("run") != result.get("run"):
+        return result
+    kept = []
+    for name in (*ANALYSES, "routing"):
+        if not isinstance(result.get(name), dict) and isinstance(prev.get(name), dict):
+            result[name] = prev[name]
+            kept.append(name)
+    skipped = {**(prev.get("skipped") or {}), **result["skipped"]}
+    result["skipped"] = {k: v for k, v in skipped.items() if not isinstance(result.get(k), dict)}
+    if kept:
+        result["kept"] = kept
+    return result
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:

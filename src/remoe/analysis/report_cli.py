@@ -29,12 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from remoe.analysis.report import ReportOptions, build_report
+    from remoe.machine.threads import fix_threads
 
     what = tuple(a for a in ANALYSES if not (args.no_model and a in MODEL_ANALYSES))
     opts = options_from_args(args, what, [])
     out = Path(args.out)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(f"--out={args.out!r} must be an .html file")
+    fix_threads("remoe report")  # the training policy: all usable cores, fixed; a load hint
     title = args.title or ("remoe report: " + ", ".join(Path(r).name for r in args.runs))
     html = build_report(args.runs, ReportOptions(
         analysis=opts, title=title,

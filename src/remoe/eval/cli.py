@@ -221,6 +221,10 @@ def _run(args: argparse.Namespace, pins: ExitStack) -> int:
     check_task_names(args.tasks)  # a misspelt task stops here, before any model or data
     import torch
 
+    from remoe.machine.threads import fix_threads
+
+    fix_threads("remoe eval")  # the training policy: all usable cores, fixed; a load hint
+
     from remoe.rundir.loading import load_model, pinned_model_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -280,6 +284,11 @@ def _run(args: argparse.Namespace, pins: ExitStack) -> int:
         for task, why in plan.skipped.items():
             print(f"remoe eval: {why}" if why.startswith("task ") else
                   f"remoe eval: task {task} skipped: {why}", file=sys.stderr)
+        if not plan.runnable:  # nothing the user asked for can run: no work, no file touched
+            print(f"remoe eval: error: every requested task was skipped "
+                  f"({', '.join(sorted(plan.skipped))}); nothing evaluated, no results file "
+                  "changed", file=sys.stderr)
+            return 1
 
     models: list[dict[str, Any]] = []
     for e in entries:
@@ -311,6 +320,11 @@ def _run(args: argparse.Namespace, pins: ExitStack) -> int:
         models.append(rec)
         del model
 
+    if not any(m.get("loss") or m.get("zero_shot") or m.get("gate_threshold_sweep")
+               for m in models):
+        print("remoe eval: error: nothing evaluated (see the messages above); no results file "
+              "changed", file=sys.stderr)
+        return 1
     seq_lens = {m["loss"]["seq_len"] for m in models if m.get("loss")}
     if len(seq_lens) > 1:
         print(f"remoe eval: note: the losses use different sequence lengths {sorted(seq_lens)} "
@@ -360,7 +374,8 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
     batches = tqdm(batches, desc=f"{e['name']}: {args.split} loss", unit=" batches",
                    disable=None, leave=False)
     res = evaluate_loss(model, batches, list(bundle.domains), device=device)
-    res.update(split=args.split, seq_len=seq_len, data_cache=str(bundle.cache_dir))
+    res.update(split=args.split, seq_len=seq_len, data_cache=str(bundle.cache_dir),
+               chunks_per_domain=args.loss_chunks)  # None: the whole split
     if not res["tokens"]:
         return None, (f"the {args.split} split has no chunk of {seq_len + 1} tokens "
                       f"(try a smaller --seq-len)")
