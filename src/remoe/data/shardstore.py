@@ -121,6 +121,11 @@ class ShardedStore:
             i += 1
         return out
 
+    @property
+    def tokens(self) -> "VirtualTokens":
+        """The split's tokens, sliceable like the single array of format 1 (int64 copies)."""
+        return VirtualTokens(self)
+
     def _docs(self) -> tuple[np.ndarray, np.ndarray]:
         if self._doc_index is None:
             arrs = []
@@ -174,3 +179,22 @@ class ShardedStore:
         for r, start in enumerate(table.offsets[ids]):
             out[r] = self.read(int(start), span)
         return Batch(torch.from_numpy(out), torch.from_numpy(table.domain_ids[ids].copy()))
+
+
+class VirtualTokens:
+    """``store.tokens[a:b]`` / ``store.tokens[i]`` over a :class:`ShardedStore`."""
+
+    def __init__(self, store: ShardedStore):
+        self.store = store
+        self.shape = (store.num_tokens,)
+        self.dtype = store.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: int | slice) -> np.ndarray:
+        if isinstance(key, slice):
+            a, b, step = key.indices(self.shape[0])
+            return self.store.read(a, max(0, b - a))[::step]
+        i = int(key) + (self.shape[0] if int(key) < 0 else 0)
+        return self.store.read(i, 1)[0]
