@@ -115,12 +115,18 @@ def loss_check(device: torch.device, routers=ROUTERS, preset: str = "micro", bat
 def train_row(router: str, device: torch.device, preset: str = "small", seq_len: int = 1024,
               micro_batch: int = 8, steps: int = 10, warmup: int = 3, precision: str = "bf16",
               vocab: int = GPT2_VOCAB, peak_tflops: float | None = None,
-              matmul_peak: float | None = None) -> dict:
-    """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc)."""
+              matmul_peak: float | None = None, compile_backend: str | None = None,
+              static_plan: bool = True) -> dict:
+    """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc).
+    ``compile_backend``: each decoder block compiled with it (``inductor``: what
+    ``train.compile=true`` does; the warm-up steps then include the compilation).
+    ``static_plan=False``: data-dependent routing on the exact plan (``nonzero``: one sync per
+    MoE layer) instead of the padded one, for comparison."""
     from remoe.bench.model import force_model_density
     from remoe.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.model.moe import MoELayer
     from remoe.machine.syncs import SyncCounter
+    from remoe.train.compile import compile_blocks
     from remoe.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:
@@ -130,12 +136,19 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
         t = Trainer(cfg, progress=False, data=SyntheticData(vocab))
         try:
             layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
+            for layer in layers:
+                layer.static_plan = static_plan
             if router == "relu":  # the sparse stage III, as the CPU model suite forces it
                 ids = t.sampler.batch(0, 0, 0)[0].to(t.device)
                 with t._autocast():
                     force_model_density(t.model, ids, 1.0 - t.model_cfg.target_sparsity)
+            t_compile = time.perf_counter()  # after the calibration (hooks would recompile)
+            if compile_backend:
+                compile_blocks(t.model, backend=compile_backend)
             for _ in range(warmup):
                 t.train_step()
+            _sync(device)
+            warmup_s = time.perf_counter() - t_compile
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
@@ -159,7 +172,8 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     tokens = sum(r["step_tokens"] for r in recs)
     by = sc.by_phase()
     row = {"router": router, "preset": preset, "device": _device_name(device),
-           "precision": precision, "backend": "grouped_mm", "seq_len": seq_len,
+           "precision": precision, "backend": "grouped_mm", "compiled": compile_backend,
+           "plan": "static" if static_plan else "exact", "warmup_s": warmup_s, "seq_len": seq_len,
            "micro_batch": micro_batch, "steps_timed": steps,
            "tokens_per_s": tokens / dt, "step_ms": 1e3 * dt / steps,
            "train_tflops": flops / dt / 1e12, "peak_mem_gib": peak_mem,
@@ -258,7 +272,9 @@ def table(res: dict) -> str:
     lines = [head, "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in res["rows"]:
-        lines.append(f"| {r['device']} | {r['preset']} | {r['router']} | {r['precision']} | "
+        name = r["router"] + (", compiled" if r.get("compiled") else "") + (
+            ", exact plan" if r.get("plan") == "exact" and r["router"] != "dense" else "")
+        lines.append(f"| {r['device']} | {r['preset']} | {name} | {r['precision']} | "
                      f"{r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | "
                      f"{f(r['mfu_vs_matmul'], '.1%')} | {f(r['peak_mem_gib'], '.1f')} | "
                      f"{r['syncs_per_step']} ({r['syncs_forward']}/{r['syncs_backward']}/"
