@@ -115,6 +115,11 @@ class TrainConfig:
     # lambda at the first step of an init_from run (null: measured from the model, see
     # remoe.train.init_lambda.initial_lambda; a run checkpoint's own lambda when it fits)
     init_lambda: float | None = None
+    # learning rate of an init_from run (docs/CONTINUE.md): peak = a fresh schedule (warm-up to
+    # train.lr, cosine to train.min_lr); source = the source run's last lr, a number = that lr:
+    # then no warm-up, cosine from it to min(train.min_lr, it) (the source's last lr of a
+    # finished run is its min_lr: held constant)
+    init_lr: float | str = "peak"
 
     def validate(self) -> None:
         _check_finite(self, "train")
@@ -149,6 +154,18 @@ class TrainConfig:
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
         _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
                f"train.init_from={self.init_from!r} must be a directory or null")
+        if isinstance(self.init_lr, str) and self.init_lr not in ("peak", "source"):
+            try:  # YAML reads 1e-3 (no dot) as a string
+                self.init_lr = float(self.init_lr)
+            except ValueError:
+                pass
+        _check(self.init_lr in ("peak", "source") or (
+            isinstance(self.init_lr, (int, float)) and not isinstance(self.init_lr, bool)
+            and math.isfinite(self.init_lr) and self.init_lr > 0),
+               f"train.init_lr={self.init_lr!r} must be peak, source or a learning rate > 0")
+        _check(self.init_lr == "peak" or self.init_from is not None,
+               f"train.init_lr={self.init_lr!r} needs train.init_from (a fresh run warms up to "
+               "train.lr)")
         _check(self.init_lambda is None or self.init_lambda > 0,
                f"train.init_lambda={self.init_lambda!r} must be > 0 or null (measured)")
 

@@ -23,7 +23,10 @@ where the kept weights still mean the same:
 * every other backbone field and the expert layout (``num_experts``, ``granularity``, the
   shared expert) is the shape of the weights: changing it is refused, naming the field.
 
-The optimizer, the LR schedule and the step count start fresh. Lambda starts from
+The optimizer and the step count start fresh. The learning rate follows ``train.init_lr``
+(:func:`start_lr`): ``peak`` (the default) is a fresh schedule, warm-up to ``train.lr`` included;
+``source`` (the source run's last lr) or a number starts there without warm-up and decays by the
+cosine to ``min(train.min_lr, start)``. Lambda starts from
 :func:`remoe.train.init_lambda.initial_lambda` (or ``train.init_lambda``). The data's tokenizer must have the source
 tokenizer's vocabulary (:func:`check_vocabulary`).
 """
@@ -75,12 +78,14 @@ class InitModel:
     source_router: str = ""
     lambdas: list[float] | None = None  # the controller's first lambda(s); None: lambda0
     lambda_info: dict[str, Any] = field(default_factory=dict)  # how they were chosen
+    lr_start: float | None = None  # train.init_lr resolved (None: peak, a fresh schedule)
+    lr_info: str = ""  # the first line's words about the schedule
 
     def record(self) -> dict[str, Any]:
         return {"init_from": self.source.arg, "model_dir": str(self.source.model_dir.resolve()),
                 "source_model_type": self.source.model_type,
                 "source_router": self.source_router, "conversion": self.conversion,
-                "lambda_start": self.lambdas, **self.lambda_info,
+                "lambda_start": self.lambdas, **self.lambda_info, "lr_start": self.lr_start,
                 "model": _source_fields(self.model.config)}
 
     def write(self, run_dir: Path, controller) -> None:
@@ -96,6 +101,8 @@ class InitModel:
             lam = f"; lambda starts at {controller.coeff:.3g} ({how})"
         runfiles.say(f"train.init_from: {self.source.model_dir} ({self.source_router}"
                      + (": " + "; ".join(self.conversion) if self.conversion else "") + ")" + lam)
+        if self.lr_info:
+            runfiles.say(f"train.init_from: {self.lr_info}")
 
 
 # ----------------------------------------------------------------------------- the source
@@ -327,6 +334,65 @@ def check_training(cfg, model_cfg) -> None:
             if getattr(tc, name):
                 raise ConfigError(f"model.revive_method=split needs every expert's weights on "
                                   f"every rank; set train.{name}=false or use the hinge")
+
+
+def source_lr(src: Source) -> float | None:
+    """The learning rate of the source's last step: the ``lr`` of its run's ``metrics.jsonl``
+    line of the checkpoint's step (a run's ``final/``: the last line); None without a log."""
+    from remoe import rundir
+
+    state_step = None
+    if src.model_dir.parent.name == "checkpoints":
+        run_dir = src.model_dir.parent.parent
+        try:
+            state_step = int(src.model_dir.name.split("_")[-1])
+        except ValueError:
+            return None
+    else:
+        run_dir = src.model_dir.parent
+    log = run_dir / "metrics.jsonl"
+    if not log.is_file():
+        return None
+    lines, _ = rundir.read_jsonl(log)
+    recs = [r for _, r in lines if isinstance(r, dict) and isinstance(r.get("lr"), (int, float))
+            and (state_step is None or r.get("step") == state_step)]
+    return float(recs[-1]["lr"]) if recs else None
+
+
+def start_lr(init: InitModel, tc) -> None:
+    """Resolve ``train.init_lr`` into ``init.lr_start`` and the line that says what the run
+    does with the schedule (ConfigError: ``source`` without a source log)."""
+    if tc.init_lr == "peak":
+        init.lr_start = None
+        init.lr_info = (f"fresh schedule: the learning rate warms up again from 0 to its peak "
+                        f"train.lr={tc.lr:g} over {tc.warmup_steps} steps, then decays to "
+                        f"{tc.min_lr:g} (train.init_lr=peak; --set train.init_lr=source continues "
+                        "at the source's last learning rate)")
+        return
+    if tc.init_lr == "source":
+        lr = source_lr(init.source)
+        if lr is None:
+            raise ConfigError(f"train.init_lr=source: train.init_from={init.source.arg!r} has no "
+                              "training log (metrics.jsonl) with its last learning rate; give a "
+                              "number, e.g. --set train.init_lr=2e-4")
+        how = "the source's last"
+    else:
+        lr, how = float(tc.init_lr), "train.init_lr"
+    init.lr_start = lr
+    end = min(tc.min_lr, lr)
+    init.lr_info = (f"the learning rate starts at {how} {lr:g} without warm-up"
+                    + (" and stays there (train.min_lr is not below it)" if end == lr else
+                       f" and decays to {end:g} over {tc.max_steps} steps")
+                    + f" (train.init_lr={tc.init_lr})")
+
+
+def recorded_lr(run_dir: Path) -> float | None:
+    """``lr_start`` of a run's init_from.json (None: none, or a fresh schedule)."""
+    path = run_dir / RECORD_FILE
+    if not path.is_file():
+        return None
+    v = json.loads(path.read_text(encoding="utf-8")).get("lr_start")
+    return float(v) if isinstance(v, (int, float)) else None
 
 
 def from_record(run_dir: Path):

@@ -93,6 +93,7 @@ class Trainer:
         # model
         torch.manual_seed(cfg.run.seed)
         self.init = None  # train.init_from: where the weights came from (remoe.train.init_from)
+        self.lr_start = None  # train.init_lr resolved (None: the fresh schedule)
         if tc.init_from is not None:
             self.model = self._init_model(resume)
             self.model_cfg = self.model.config
@@ -179,8 +180,11 @@ class Trainer:
         if resume:
             model = init_from.from_record(self.run_dir)
             if model is not None:
+                self.lr_start = init_from.recorded_lr(self.run_dir)
                 return model.to(self.device)
         self.init = init_from.build(self.cfg)
+        init_from.start_lr(self.init, self.cfg.train)  # train.init_lr (ConfigError: no log)
+        self.lr_start = self.init.lr_start
         init_from.check_vocabulary(self.init.source, self.data, self.init.model.config)
         model = self.init.model.to(self.device)
         if model.config.uses_adaptive_reg:
@@ -296,7 +300,10 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         tc = self.cfg.train
         model, step = self.wrapped, self.step
-        lr = cosine_lr(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
+        if self.lr_start is None:
+            lr = cosine_lr(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
+        else:  # train.init_lr: no warm-up, cosine from the start lr (remoe.train.init_from)
+            lr = cosine_lr(step, self.lr_start, min(tc.min_lr, self.lr_start), 0, tc.max_steps)
         set_lr(self.optimizer, lr)
         coeff, layer_coeffs = self.control.coeffs()
         self.control.arm_revival()
