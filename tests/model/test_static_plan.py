@@ -123,3 +123,15 @@ def test_relu_declares_its_capacity():
         r = layer.router(torch.randn(T, 16), RouterContext(batch_size=1, seq_len=T))
         assert r.num_pairs is None and r.max_pairs == bound
         assert int(r.mask_TN.sum(1).max()) <= (max_active or 8)
+
+
+def test_default_pads_on_the_device_path_only():
+    """``static_plan=None``: exact in CPU eager mode (a sync costs nothing there, padding rows
+    would), padded on an accelerator and under torch.compile (tests/train/test_compile.py)."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, router="relu",
+                               expert_backend="grouped_mm"))
+    assert layer.static_plan is None
+    with SyncCounter() as sc:
+        layer(torch.randn(24, 32))
+    assert [e.what for e in sc.events] == ["aten.nonzero.default"], sc.report()

@@ -81,6 +81,9 @@ def count_step_syncs(router: str, preset: str = "micro", seq_len: int = 32, micr
     with tempfile.TemporaryDirectory(prefix="remoe-syncs-") as tmp:
         cfg = step_config(router, preset, seq_len, micro_batch, grad_accum, tmp, extra)
         t = Trainer(cfg, progress=False, data=SyntheticData())
+        for block in t.model.layers:  # the CUDA path's plan (CPU eager would plan exactly)
+            if isinstance(block.ffn, MoELayer):
+                block.ffn.static_plan = True
         try:
             t.train_step()  # warm-up: optimizer state, lazily built buffers
             with SyncCounter() as sc, sc.watch(t.model, "forward"):

@@ -95,9 +95,11 @@ def base_experts(experts: nn.Module) -> nn.Module:
 class MoELayer(nn.Module):
     """Token-routed experts: any :class:`~remoe.model.routers.Router`, dropless dispatch."""
 
-    #: data-dependent routing on the device: a padded plan of static capacity (no host sync;
-    #: shapes fixed by T) instead of the exact one (``nonzero``: one sync per call)
-    static_plan: bool = True
+    #: data-dependent routing on the device path: True = a plan padded to a static capacity (no
+    #: host sync, shapes fixed by T), False = the exact plan (``nonzero``: one sync per call),
+    #: None = padded on an accelerator and under torch.compile, exact in CPU eager mode (no
+    #: wait to save there, no padding rows to pay for)
+    static_plan: bool | None = None
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -113,12 +115,15 @@ class MoELayer(nn.Module):
         T = x_TD.shape[0]
         r = self.router(x_TD, ctx)
         # grouped_mm (the CUDA backend) keeps the plan on the device with no host sync: exact
-        # for fixed-k routers, padded to a static capacity for data-dependent ones (unless
-        # static_plan is off: nonzero, one sync); the CPU backends plan on the host
+        # for fixed-k routers, padded to a static capacity for data-dependent ones (see
+        # static_plan; exact: nonzero, one sync); the CPU backends plan on the host
         base = base_experts(self.experts)
         on_device = x_TD.device.type != "cpu" or base.resolve_backend(x_TD) == "grouped_mm"
+        static = self.static_plan
+        if static is None:
+            static = x_TD.device.type != "cpu" or torch.compiler.is_compiling()
         capacity = None
-        if on_device and r.num_pairs is None and self.static_plan and base.accepts_padded_plan:
+        if on_device and r.num_pairs is None and static and base.accepts_padded_plan:
             capacity = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
         plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device, capacity=capacity)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
