@@ -46,7 +46,7 @@ def analyze_stages(run: Run, out: Path, opts: Options) -> dict[str, Any]:
         sel = stage == k
         rec[f"{name}_steps"] = int(sel.sum())
         rec[f"{name}_mean_sparsity"] = float(np.nanmean(m["sparsity"][sel])) if sel.any() else None
-    # how far lambda swings once settled (decades; issue 11's limit-cycle measure)
+    # how far lambda swings once settled (decades; the limit-cycle measure of docs/CONTROL.md)
     third = stage == 3
     rec["lambda_log10_amplitude_stage3"] = log10_span(lam[third])
     lam_SL = m.per_layer("lambda_layers")  # per-layer control ([steps, 0] otherwise)

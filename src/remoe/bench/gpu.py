@@ -1,4 +1,4 @@
-"""``remoe bench --suite gpu``: one command that checks a CUDA machine (issue 28).
+"""``remoe bench --suite gpu``: one command that checks a CUDA machine.
 
 On a machine with CUDA:
 

@@ -125,7 +125,7 @@ class ExpertParallelExperts(SwiGLUExperts):
         send_WN = counts_N.to(device=x_PD.device, dtype=torch.int64).reshape(W, n).contiguous()
         recv_WN = torch.empty_like(send_WN)
         dist.all_to_all_single(recv_WN, send_WN, group=g)  # [source rank, local expert]
-        # the row exchange's split sizes: this call's one device -> host copy (issue 28)
+        # the row exchange's split sizes: this call's one device -> host copy
         in_splits, out_splits = torch.stack([send_WN.sum(1), recv_WN.sum(1)]).cpu().tolist()
         x_QD = all_to_all_rows(x_PD, out_splits, in_splits, g)
         idx_Q = _regroup_index(recv_WN, sum(out_splits))  # on the device

@@ -139,7 +139,7 @@ FUSED_CHUNK_BYTES = 4 << 20
 
 #: an expert's product over fewer rows than this runs on one intra-op thread. MKL's sgemm gives
 #: other bits at 2 threads than at 1 for a few rows (5-11 rows at D=256 on this machine's
-#: AVX2 MKL, issue 29); with them on one thread, 1 and 2 threads give the same bits on that
+#: AVX2 MKL); with them on one thread, 1 and 2 threads give the same bits on that
 #: CPU, and at one thread nothing changes. Not on every CPU: Intel's AVX-512 MKL gives other bits
 #: at 2 threads for larger products too, so a run fixes its thread count at its start and a
 #: resume reuses it (remoe.machine.threads). The same holds for the batched products of padded
@@ -305,7 +305,7 @@ def fused_rows(d_model: int, d_expert: int, elem: int = 4) -> int:
 
     The same at every thread count (it used to scale with it): the chunks decide which experts
     share a padded product, and so the bits of the result; a budget that followed the thread
-    count made a step's numbers depend on the count the tuner picked (issue 29)."""
+    count made a step's numbers depend on the count the tuner picked."""
     return max(64, FUSED_CHUNK_BYTES // (elem * (2 * d_model + 3 * d_expert)))
 
 

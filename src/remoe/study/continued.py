@@ -1,4 +1,4 @@
-"""Runs that start from another study run's weights (``init_from_run``; issue 26's recipes).
+"""Runs that start from another study run's weights (``init_from_run``; the recipes of configs/study/recipes.yaml).
 
 For every finished run with an ``init_from.json`` (:mod:`remoe.train.init_from`), one row:
 

@@ -9,7 +9,7 @@ of how many experts a token uses:
 * ReLU: a ReLU gate of a zero-mean logit is open half of the time, so stage I runs about N/2
   experts per token and layer (N = E*G); we count ``N/2`` for the first
   ``n_I = ln(RELU_LAMBDA_REF / lambda0) / ln(alpha)`` steps and k*G after. RELU_LAMBDA_REF is
-  fitted to a measured run (issue 10: hidden 128, 4 layers, E=32, lambda0=1e-8, alpha=1.2, 600
+  fitted to a measured run (hidden 128, 4 layers, E=32, lambda0=1e-8, alpha=1.2, 600
   steps of 4096 tokens spent 4.97e13 FLOPs against TopK's 3.42e13: the 1.56e13 extra FLOPs
   are 54 steps at N/2 experts, i.e. lambda0 * alpha^54 = 1.9e-4).
 

@@ -1,4 +1,4 @@
-"""A run's routing over time, in windows of steps (issue 25: why does a run fall behind?).
+"""A run's routing over time, in windows of steps (why does a run fall behind?).
 
 For every finished run with routing statistics, the training is cut into ``windows`` equal
 spans of steps; per span, from ``metrics.jsonl``:

@@ -12,7 +12,7 @@ sections, as in ``remoe train`` configs) and ``groups``. Each group expands to r
   labels): stop at the training FLOPs the run LABEL (same seed) spent -- the sum over the list --
   read from its ``summary.json`` once finished;
 * ``init_from_run: LABEL`` (group or run): start from the weights of the study's run LABEL
-  (same seed) once it has trained, as ``train.init_from=<its run directory>`` (issue 26's
+  (same seed) once it has trained, as ``train.init_from=<its run directory>`` (the
   recipes: upcycling, router swap).
 
 Overrides apply in the order base < group ``set`` < grid point < explicit run ``set``. A run's

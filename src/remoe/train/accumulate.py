@@ -5,7 +5,7 @@ counts ``[L, N]`` and (per-layer control) each layer's L_reg, as float64 tensors
 device (no collective and no host synchronisation per micro-batch). :meth:`StepSums.reduce`
 packs them into one vector (with the step's gradient norm when given), all-reduces it once and
 copies it to the host once: the step's only device->host synchronisation outside the model
-(issue 28; counted by ``tests/model/test_syncs.py``).
+(counted by ``tests/model/test_syncs.py``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class ProgressLines:
         if self.start is None:
             # the first step of a process carries one-time costs (allocation, lazy
             # initialisation, the thread tuner's first probe): the ETA counts from its end, so
-            # it is not the first step's time multiplied by the steps left (issue 29: ~8x high)
+            # it is not the first step's time multiplied by the steps left (that was ~8x high)
             step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
             self.last = (now - step_s, rec["step"] - 1, rec["tokens"] - rec["step_tokens"])
             self.start = (now, rec["step"], rec["tokens"])

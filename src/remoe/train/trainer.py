@@ -321,7 +321,7 @@ class Trainer:
             (loss / tc.grad_accum).backward()
             sums.add(out, input_ids.numel())
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
-        # one host synchronisation outside the model (issue 28)
+        # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
         tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled,
                           grad_norm=norm)
