@@ -40,6 +40,9 @@ BUILTINS: dict[str, str] = {
     "sparsemixer": "remoe.model.routers.sparsemixer:SparseMixerRouter",  # GRIN
     "topk_auxfree": "remoe.model.routers.topk_auxfree:AuxFreeTopKRouter",  # DeepSeek-V3 bias
     "blockffn": "remoe.model.routers.blockffn:BlockFFNRouter",  # ReLU + RMSNorm, chunk sparsity
+    # ReLU(x W - theta), per-expert thresholds steered to k T/E tokens each (no L1 term)
+    "relu_threshold": "remoe.model.routers.relu_threshold:ReLUThresholdRouter",
+    "expert_threshold": "remoe.model.routers.expert_threshold:ExpertThresholdRouter",  # ET, EMA
     "lory": "remoe.model.lory:LoryMoE",  # FFN kind: segment-level expert merging
     "dense": "remoe.model.moe:DenseFFN",  # FFN kind: dense, active width
     "dense_wide": "remoe.model.moe:DenseWideFFN",  # FFN kind: dense, E x the width
@@ -49,6 +52,11 @@ BUILTINS: dict[str, str] = {
 #: to validate a config, so validating the others needs no torch (tests/test_config.py keeps
 #: this set equal to the classes that override the hook)
 BUILTINS_WITH_CHECKS = frozenset({"topk_warmup", "blockffn", "lory"})
+
+#: the built-ins that declare their own options (a frozen dataclass, the class's ``options``
+#: attribute, as a user router's ``register_router(options=)``): their module is imported to
+#: read them only when one of them is the chosen router
+BUILTINS_WITH_OPTIONS = frozenset({"relu_threshold", "expert_threshold"})
 
 _user: dict[str, type] = {}  # registered at import time by user modules (append-only)
 _options: dict[str, type] = {}  # a user router's options dataclass (register_router(options=))
@@ -101,7 +109,9 @@ def register_router(name: str, options: type | None = None):
 
 
 def options_class(name: str) -> type | None:
-    """The options dataclass ``name`` was registered with (None: it declares none)."""
+    """The options dataclass ``name`` declares (None: it declares none)."""
+    if name in BUILTINS_WITH_OPTIONS:
+        return resolve(name).options
     return _options.get(name)
 
 

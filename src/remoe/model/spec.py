@@ -272,10 +272,10 @@ class SparsityControlConfig:
     sparsity_control: str = "global"  # one lambda for the model (paper) | "per_layer"
     lambda_update: str = "sign"  # eq. 6's sign rule (paper) | "pi"
     lambda_pi_kp: float = 1.0
-    # ki = 1 measured best (issue 25): 0.25 left a layer 0.15 under target after 300 steps
+    # ki = 1 measured best (docs/CONTROL.md): 0.25 left a layer 0.15 under target after 300 steps
     lambda_pi_ki: float = 1.0
     # lambda never falls below this (0: no floor, the paper); per-layer, a layer sparser than
-    # its target drove its lambda to 1e-30 and back up over hundreds of steps (issue 25)
+    # its target drove its lambda to 1e-30 and back up over hundreds of steps
     lambda_floor: float = 0.0
     revive_after: int = 0  # hand experts starving this many steps to the revival hinge (0: off)
     # an expert starves in a step when it gets at most this share of the step's tokens
@@ -327,9 +327,11 @@ class _NoOptions:  # the options of a router that declares none
 
 
 def user_options_class(router: Any, router_module: Any = None) -> type | None:
-    """The options dataclass a user's router declares (None for the built-ins, for a router
-    that declares none, and for a name nobody registered: validation names that one)."""
-    if not isinstance(router, str) or router in registry.BUILTINS:
+    """The options dataclass a user's router declares, or a built-in of
+    ``registry.BUILTINS_WITH_OPTIONS`` (None for the other built-ins, for a router that declares
+    none, and for a name nobody registered: validation names that one)."""
+    if not isinstance(router, str) or (router in registry.BUILTINS
+                                       and router not in registry.BUILTINS_WITH_OPTIONS):
         return None
     if router_module and router not in registry.names():
         registry.import_modules([router_module], "model.router_module")

@@ -53,8 +53,12 @@ class StepControl:
                    num_tokens: float | None = None) -> None:
         """After the optimizer update: the routers' own update, then the controller's
         (``num_tokens``: the step's tokens over all ranks, for ``model.revive_below``)."""
-        for router, counts_N in zip(self.token_routers, counts_LN):  # no-op but topk_auxfree
-            router.after_step(counts_N)
+        for router, counts_N in zip(self.token_routers, counts_LN):  # routers with own state
+            with_tokens = getattr(router, "after_step_with_tokens", None)  # (a Router has it)
+            if with_tokens is not None:
+                with_tokens(counts_N, num_tokens)
+            else:
+                router.after_step(counts_N)
         if self.controller is not None:
             self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist(),
                                    num_tokens)

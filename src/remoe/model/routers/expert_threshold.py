@@ -1,0 +1,162 @@
+"""Expert Threshold routing (Sun et al. 2026, arXiv 2603.11535), adapted to the Routing contract.
+
+Legend: T tokens, D model width, N experts (E*G), C = round(T k/E) tokens per expert.
+
+Each expert keeps a threshold on its own score distribution, an exponential moving average of
+the score that its target share of tokens (``k/E``, Expert Choice's capacity) clears; a token
+goes to every expert whose score clears that expert's threshold, so a token uses 0..N experts.
+The thresholds come from past steps only: routing is causal (no token's route depends on
+another token of the batch, in training as at inference) and there is no auxiliary loss::
+
+    s_TN = softmax(x W)                  scores, as in Expert Choice (which ET makes causal)
+    mask_TN = s_TN > theta_N             theta_N: the thresholds before this step
+    gates_TN = s_TN * mask_TN            the score is the gate (gradient to W through it)
+    theta_N = qbar_N * exp(u_N)          qbar: the EMA quantile; u: the load correction
+
+After every optimizer step (:meth:`Router.after_step_with_tokens`), the step's quantile ``q_N``
+joins the average: ``q_e`` is the midpoint of the C-th and (C+1)-th largest score of expert e
+in a micro-batch (exactly C of its tokens clear it), averaged over the step's micro-batches and
+the data-parallel ranks (one all-reduce of N+1 numbers per layer and step when distributed)::
+
+    qbar_N <- q_N                                    at the first update
+    qbar_N <- decay * qbar_N + (1 - decay) * q_N     after it
+
+``decay`` is ``model.threshold_ema_decay``; before the first update ``qbar`` is ``1/N`` (the
+score of a uniform router).
+
+The load correction is this codebase's addition (``model.threshold_rate``; 0 gives the EMA
+quantiles alone): a quantile measured before an optimizer step is applied after it, and at
+this scale's learning rates each step moves the scores by a sizeable part of their spread, in
+the direction that opens experts (the gate multiplies a useful expert's output), so the EMA
+quantiles alone let the density run over k/E (measured: sparsity 0.67-0.80 instead of 0.875 on
+a micro model at lr 3e-3, tests/model/test_router_thresholds.py). ``u_e`` integrates the
+step's relative load error from the all-reduced counts, ``u_e += rate * (c_e / (k T / E) -
+1)``, as ``relu_threshold`` does for its additive thresholds (here multiplicative: scores are
+positive and their scale changes as the router sharpens).
+
+``qbar_N``, ``u_N`` (fp32) and the update count (int64) are persistent buffers: saved with the
+model, restored on resume. What else is adapted from the paper, whose exact constants were not
+available here, is listed in docs/ROUTERS.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from remoe.errors import ConfigError
+from remoe.model.routers.base import Router, RouterContext, Routing, zero
+
+
+@dataclass(frozen=True)
+class ExpertThresholdOptions:
+    """``model.threshold_ema_decay``: the weight of the old quantile in each EMA update;
+    ``model.threshold_rate``: the step of each threshold's log correction per unit of relative
+    load error (0: the thresholds are the EMA quantiles alone, as published)."""
+
+    threshold_ema_decay: float = 0.9
+    threshold_rate: float = 0.05
+
+    def validate(self, prefix: str = "model.") -> None:
+        d, r = self.threshold_ema_decay, self.threshold_rate
+        if not (math.isfinite(d) and 0.0 <= d < 1.0):
+            raise ConfigError(f"{prefix}threshold_ema_decay={d!r} must be a number in [0, 1)")
+        if not (math.isfinite(r) and r >= 0.0):
+            raise ConfigError(f"{prefix}threshold_rate={r!r} must be a finite number >= 0 "
+                              "(0: no load correction)")
+
+
+def capacity_quantile(scores_TN: Tensor, target_density: float) -> Tensor:
+    """Per expert, a score that exactly ``C = round(T k/E)`` (clamped to [1, T-1]) of its tokens
+    exceed: the midpoint of its C-th and (C+1)-th largest scores ([N], no gradient)."""
+    T = scores_TN.shape[0]
+    c = max(1, min(T - 1, math.floor(T * target_density + 0.5)))
+    top_CN = scores_TN.detach().topk(c + 1, dim=0).values
+    return 0.5 * (top_CN[c - 1] + top_CN[c])
+
+
+class ExpertThresholdRouter(Router):
+    """``softmax(x W)`` kept where it clears each expert's threshold (module docstring)."""
+
+    options = ExpertThresholdOptions
+
+    def __init__(self, d_model: int, num_experts: int, target_density: float,
+                 threshold_ema_decay: float = ExpertThresholdOptions.threshold_ema_decay,
+                 threshold_rate: float = ExpertThresholdOptions.threshold_rate,
+                 init_std: float = 0.02) -> None:
+        super().__init__(d_model, num_experts, init_std)
+        self.target_density = float(target_density)  # k/E
+        self.decay = float(threshold_ema_decay)
+        self.threshold_rate = float(threshold_rate)
+        # the EMA of each expert's capacity quantile (1/N, a uniform router's score, at first)
+        self.register_buffer("quantile_N", torch.full((num_experts,), 1.0 / num_experts,
+                                                      dtype=torch.float32), persistent=True)
+        # the log correction u_N moved by the realised loads (0 with threshold_rate = 0)
+        self.register_buffer("correction_N", torch.zeros(num_experts, dtype=torch.float32),
+                             persistent=True)
+        self.register_buffer("threshold_updates", torch.zeros((), dtype=torch.int64),
+                             persistent=True)
+        # this step's quantiles: sum over micro-batches and their number, [N + 1] fp64. A plain
+        # attribute, not a buffer: never saved (empty between steps) and never broadcast by DDP
+        self._pending: Tensor | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "ExpertThresholdRouter":
+        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
+                   threshold_ema_decay=cfg.threshold_ema_decay,
+                   threshold_rate=cfg.threshold_rate, init_std=cfg.init_std)
+
+    @property
+    def threshold_N(self) -> Tensor:
+        """theta_N = EMA quantile * exp(u_N), fp32."""
+        return self.quantile_N * torch.exp(self.correction_N)
+
+    def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
+        scores_TN = torch.softmax(self.logits(x_TD), dim=-1)
+        if self.training and torch.is_grad_enabled() and scores_TN.shape[0] > 1:
+            self._observe(capacity_quantile(scores_TN, self.target_density))
+        mask_TN = scores_TN > self.threshold_N.to(scores_TN.dtype)
+        gates_TN = scores_TN * mask_TN
+        return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
+
+    def _observe(self, q_N: Tensor) -> None:
+        """Add one micro-batch's quantiles to the step's (a recomputed forward adds the same
+        values again, which leaves their mean unchanged)."""
+        row = torch.cat([q_N.to(torch.float64), q_N.new_ones(1, dtype=torch.float64)])
+        self._pending = row if self._pending is None else self._pending + row
+
+    @torch.no_grad()
+    def after_step_with_tokens(self, counts_N: Tensor, num_tokens: float | None) -> None:
+        """The EMA update (:meth:`after_step`), then the load correction
+        ``u_e += rate * (c_e / (k T / E) - 1)`` (skipped without a token count)."""
+        self.after_step(counts_N)
+        if self.threshold_rate > 0 and num_tokens:
+            err_N = counts_N.detach().cpu().to(torch.float64) / (num_tokens * self.target_density)
+            self.correction_N.add_((self.threshold_rate * (err_N - 1.0)).to(self.correction_N))
+
+    @torch.no_grad()
+    def after_step(self, counts_N: Tensor) -> None:
+        """Fold the step's mean quantile into the EMA (no-op if the step had no training
+        forward)."""
+        pending, self._pending = self._pending, None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if pending is None:  # every rank must join the collective
+                pending = torch.zeros(self.num_experts + 1, dtype=torch.float64,
+                                      device=self.quantile_N.device)
+            dist.all_reduce(pending)
+        if pending is None:
+            return
+        q_N = (pending[:-1] / pending[-1].clamp(min=1.0)).to(self.quantile_N)
+        first = self.threshold_updates == 0
+        ema_N = self.decay * self.quantile_N + (1.0 - self.decay) * q_N
+        fresh = (pending[-1] > 0).to(self.quantile_N.device)
+        self.quantile_N.copy_(torch.where(fresh, torch.where(first, q_N, ema_N), self.quantile_N))
+        self.threshold_updates.add_(fresh.to(torch.int64))
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, target_density={self.target_density}, "
+                f"threshold_ema_decay={self.decay}, threshold_rate={self.threshold_rate}")
