@@ -244,3 +244,35 @@ def test_trainer_resumes_the_thresholds_bit_exactly(name, make_overrides, tmp_pa
     for r, want in zip(resumed.token_routers, after):
         assert torch.equal(r.threshold_N, want)
     resumed.close()
+
+
+def _two_rank_worker(rank: int, world: int, root: str) -> None:
+    import pathlib
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank,
+                            world_size=world)
+    try:
+        r = ExpertThresholdRouter(2, 2, 1 / 2, threshold_ema_decay=0.5, threshold_rate=0.0)
+        # rank 0 saw two micro-batches, rank 1 one: the step's mean is over all three
+        for q in ([[0.2, 0.4], [0.4, 0.6]], [[0.9, 0.2]])[rank]:
+            r._observe(torch.tensor(q))
+        r.after_step_with_tokens(torch.zeros(2), 6)
+        want = [(0.2 + 0.4 + 0.9) / 3, (0.4 + 0.6 + 0.2) / 3]
+        assert r.quantile_N.tolist() == pytest.approx(want)
+        r.after_step_with_tokens(torch.zeros(2), 6)  # no forward on either rank: no update
+        assert r.quantile_N.tolist() == pytest.approx(want) and int(r.threshold_updates) == 1
+        (pathlib.Path(root) / f"ok-{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_threshold_averages_the_quantiles_over_ranks(tmp_path):
+    """Data-parallel ranks fold the same mean quantile in (every rank's thresholds agree)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
