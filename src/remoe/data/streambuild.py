@@ -69,7 +69,8 @@ def source_fingerprint(sources: list[str]) -> list[Any]:
     return out
 
 
-def build_key(cfg: DataConfig, shard_bytes: int) -> str:
+def build_key(cfg: DataConfig) -> str:
+    """The store's key; the shard size is not part of it (it changes the files, not the data)."""
     tok = None
     if cfg.tokenizer is not None:
         tok = sha256_bytes(_tok.load_tokenizer(Path(cfg.tokenizer)).to_str().encode("utf-8"))
@@ -78,7 +79,7 @@ def build_key(cfg: DataConfig, shard_bytes: int) -> str:
                       "max_bytes": cfg.max_bytes_per_domain, "val": cfg.val_fraction,
                       "test": cfg.test_fraction, "vocab": cfg.vocab_size, "tokenizer": tok,
                       "tokenizer_train_bytes": cfg.tokenizer_train_bytes,
-                      "algo": TOKENIZER_ALGO, "shard_bytes": shard_bytes})
+                      "algo": TOKENIZER_ALGO})
 
 
 def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
@@ -142,7 +143,7 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                 before_write: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
     """Build (or resume, or reuse) the store of ``cfg``; returns its manifest."""
     store = cache / STORE_DIR
-    key = build_key(cfg, shard_bytes)
+    key = build_key(cfg)
     m = finished_manifest(store, key)
     if m is not None:
         say("sharded store unchanged: reusing it")
@@ -150,6 +151,11 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
     before_write("its sharded store")
     root = store / key[:16]
     root.mkdir(parents=True, exist_ok=True)
+    recorded = read_json(root / "shard_bytes.json")  # a resumed build keeps its unit size
+    if isinstance(recorded, int) and recorded > 0:
+        shard_bytes = recorded
+    else:
+        atomic_write_json(root / "shard_bytes.json", shard_bytes)
     loaded = load_plan(root)
     if loaded is None:
         say(f"planning splits from {list(cfg.sources)} (<= {cfg.max_bytes_per_domain:,} "
