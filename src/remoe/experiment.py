@@ -91,6 +91,10 @@ class TrainConfig:
     eval_batch_size: int = 8
     save_every: int = 100  # 0: only the final checkpoint
     keep_last: int = 2
+    # optimizer state in every kept checkpoint (all), or in the newest only (newest: older ones
+    # keep weights, lambda controller, RNG and data position; a resume from one of them is
+    # refused, so a damaged newest checkpoint no longer falls back bit-exactly)
+    keep_optimizer: str = "all"
     log_every: int = 10  # console lines when not on a terminal
     tensorboard: bool = False
     device: str = "auto"  # auto | cpu | cuda
@@ -152,6 +156,8 @@ class TrainConfig:
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
+        _check(self.keep_optimizer in ("all", "newest"),
+               f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
         _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
                f"train.init_from={self.init_from!r} must be a directory or null")
         if isinstance(self.init_lr, str) and self.init_lr not in ("peak", "source"):

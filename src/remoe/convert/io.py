@@ -30,8 +30,10 @@ def model_type(src: str | Path) -> str:
 
 def load_remoe(src: str | Path):
     from remoe import ReMoEForCausalLM
+    from remoe.rundir.bars import no_hf_bars
 
-    return ReMoEForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with no_hf_bars():
+        return ReMoEForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 
 
 def load_hf(src: str | Path, expected: tuple[str, ...]):
@@ -41,7 +43,10 @@ def load_hf(src: str | Path, expected: tuple[str, ...]):
         raise ConfigError(f"SRC model_type={kind!r} must be one of {', '.join(expected)}")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    from remoe.rundir.bars import no_hf_bars
+
+    with no_hf_bars():
+        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 
 
 def load_hf_config(src: str | Path, expected: tuple[str, ...]):
@@ -69,7 +74,10 @@ def save(model: Any, src: str | Path, dst: str | Path, command: str = "remoe con
     source's licence (from its README.md)."""
     d = Path(dst)
     d.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(d, safe_serialization=True)
+    from remoe.rundir.bars import no_hf_bars
+
+    with no_hf_bars():
+        model.save_pretrained(d, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (Path(src) / name).is_file() and not (d / name).exists():
             shutil.copyfile(Path(src) / name, d / name)

@@ -194,7 +194,8 @@ def tokenizer_stage(cfg: DataConfig, cache: Path, corpus_key: str, train: list[D
             rep.say(f"training byte-level BPE (vocab {cfg.vocab_size}) on {len(docs)} train "
                     f"documents ({nbytes:,} bytes)")
             batches = list(_tok.batched_texts(d.text for d in docs))
-            tok = _tok.train_tokenizer(iter(batches), cfg.vocab_size, length=len(batches),
+            tok = _tok.train_tokenizer(iter(batches), cfg.vocab_size,
+                                       length=sum(map(len, batches)),  # texts: the bar's unit
                                        min_frequency=MIN_FREQUENCY, progress=progress)
             _tok.save_tokenizer(tok, path)
     eos = _tok.find_eos(tok)

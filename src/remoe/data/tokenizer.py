@@ -38,7 +38,8 @@ def train_tokenizer(batches: Iterable[list[str]], vocab_size: int = 8192, *,
                     progress: bool = False) -> Tokenizer:
     """Train a byte-level BPE tokenizer on an iterator of *batches* of texts.
 
-    ``length`` (the number of batches) only drives the progress bar. The result depends only
+    ``length`` only drives the progress bar: the number of *texts* (the bar counts the texts of
+    each batch, not the batches). The result depends only
     on the texts and their order (training twice gives the same ``tokenizer.json``).
     """
     if vocab_size < MIN_VOCAB_SIZE:

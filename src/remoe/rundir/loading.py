@@ -171,7 +171,10 @@ def _load(d: Path, device: str | torch.device):
         import pickle
 
         try:  # (transformers reads a .bin with torch.load(weights_only=True): nothing runs)
-            model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
+            from remoe.rundir.bars import no_hf_bars
+
+            with no_hf_bars():
+                model = ReMoEForCausalLM.from_pretrained(d).to(device).eval()
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise ConfigError(f"{d}: the model's files could not be read ({type(e).__name__}: "

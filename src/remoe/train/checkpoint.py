@@ -48,7 +48,10 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
         shutil.rmtree(tmp)
     with rundir.writing(final, cleanup=tmp):
         m = unwrap(model)
-        m.save_pretrained(tmp, safe_serialization=True)
+        from remoe.rundir.bars import no_hf_bars
+
+        with no_hf_bars():  # remoe's progress only
+            m.save_pretrained(tmp, safe_serialization=True)
         if tokenizer_path:
             write_hf_tokenizer_files(tokenizer_path, tmp, m.config.max_position_embeddings)
         write_card(tmp, m, find_run_dir(final), step=(state or {}).get("step"))
@@ -60,8 +63,11 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
-                    tokenizer_path: str | None, keep_last: int) -> Path:
-    """Write ``ckpt_root/step_<step>`` atomically, point LATEST at it, prune old ones."""
+                    tokenizer_path: str | None, keep_last: int,
+                    keep_optimizer: str = "all") -> Path:
+    """Write ``ckpt_root/step_<step>`` atomically, point LATEST at it, prune old ones; with
+    ``keep_optimizer="newest"`` the older checkpoints kept lose their optimizer state
+    (:func:`drop_optimizer_state`)."""
     with rundir.writing(ckpt_root):
         ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
@@ -70,7 +76,52 @@ def save_checkpoint(ckpt_root: Path, step: int, model, state: dict[str, Any],
     if keep_last > 0:
         for old in rundir.checkpoint_dirs(ckpt_root)[keep_last:]:
             rundir.remove_dir(old)
+    if keep_optimizer == "newest":
+        for old in rundir.checkpoint_dirs(ckpt_root)[1:]:
+            drop_optimizer_state(old)
     return final
+
+
+#: ``trainer_state.pt`` key of a checkpoint whose optimizer state was dropped
+OPTIMIZER_DROPPED = "optimizer_dropped"
+
+
+def drop_optimizer_state(ckpt: Path) -> None:
+    """Rewrite an older checkpoint without its optimizer state (weights, lambda controller, RNG
+    and data position stay): a sibling directory of hard links with the new trainer state and
+    manifest replaces it, so a crash leaves either the old or the new checkpoint, both whole."""
+    if not (ckpt / STATE_FILE).is_file() or (ckpt / "dcp").is_dir():
+        return
+    try:
+        state = rundir.load_state(ckpt)
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is left to --resume's checks
+        return
+    if state.get("optimizer") is None:
+        return
+    tmp = rundir.temp_path(ckpt)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    with rundir.writing(ckpt, cleanup=tmp):
+        for src in ckpt.rglob("*"):
+            dst = tmp / src.relative_to(ckpt)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+            elif src.name not in (STATE_FILE, rundir.MANIFEST):
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src, dst)
+        torch.save({**state, "optimizer": None, OPTIMIZER_DROPPED: True}, tmp / STATE_FILE)
+        rundir.write_manifest(tmp)
+        rundir.replace_dir(tmp, ckpt)
+
+
+def require_optimizer_state(ckpt: Path, state: dict[str, Any]) -> None:
+    """One line instead of a resume that could not be bit-exact: ``ckpt`` kept no optimizer
+    state (``train.keep_optimizer=newest`` dropped it when a newer checkpoint was written)."""
+    if state.get("optimizer") is None and state.get(OPTIMIZER_DROPPED):
+        raise ConfigError(
+            f"--resume: {ckpt.name} holds no optimizer state (train.keep_optimizer=newest keeps "
+            "it in the newest checkpoint only, and that one is missing or damaged); continue "
+            f"from its weights with --set train.init_from={ckpt} in a new run")
 
 
 def find_resume_checkpoint(ckpt_root: Path, report: bool = True

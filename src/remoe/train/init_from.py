@@ -158,15 +158,18 @@ def _load_base(src: Source, want_router: str | None):
     import torch
 
     from remoe import ReMoEForCausalLM
+    from remoe.rundir.bars import no_hf_bars
 
     if src.model_type == "remoe":
-        model = ReMoEForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32,
-                                                 use_safetensors=True)
+        with no_hf_bars():
+            model = ReMoEForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32,
+                                                     use_safetensors=True)
         return model, []
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32,
-                                              use_safetensors=True).eval()
+    with no_hf_bars():
+        hf = AutoModelForCausalLM.from_pretrained(src.model_dir, dtype=torch.float32,
+                                                  use_safetensors=True).eval()
     if src.model_type in HF_DENSE:
         return _dense_from_llama(hf), [f"{src.model_type} -> dense remoe (same function)"]
     from remoe.convert.from_hf import from_hf

@@ -78,6 +78,7 @@ def load_full_checkpoint(ckpt: Path, state: dict[str, Any], model: torch.nn.Modu
     (``ep``) each rank keeps its slices of the experts the checkpoint holds in full."""
     from safetensors.torch import load_file
 
+    ckpt_io.require_optimizer_state(ckpt, state)
     weights = load_file(str(ckpt / "model.safetensors"), device=str(device))
     optimizer_state = state["optimizer"]
     if ep is not None:

@@ -64,9 +64,6 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         tc = cfg.train
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bars at every checkpoint
         rt = setup_runtime(tc)  # threads, process group, device, precision
         self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
         self.num_threads = rt.num_threads  # fixed for the run (None: train.num_threads=auto)
@@ -286,7 +283,8 @@ class Trainer:
             if self.dist.is_main:
                 path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, self.model,
                                                self._state(optim), self.tokenizer_path,
-                                               self.cfg.train.keep_last)
+                                               self.cfg.train.keep_last,
+                                               self.cfg.train.keep_optimizer)
         self._saved_step = self.step
         self._barrier()
         return path
