@@ -1,4 +1,4 @@
-"""The package layout is the architecture (issues 13, 27): every group of modules imports only
+"""The package layout is the architecture: every group of modules imports only
 the groups below it, no module imports a module that imports it back, no package reaches into
 another's private names, and no module outside the model spells a router's name to decide
 something (routers declare what they do; remoe.model.registry reads the declarations).
@@ -194,3 +194,15 @@ def test_the_saved_model_code_is_the_model_package():
 
     mods = set(_modules())
     assert all(m.startswith("remoe.model.") or m == "remoe.errors" for m in mods), mods
+
+
+#: the lab: the paper's measurements, benchmarks and studies, built on the library
+LAB = {"analysis", "bench", "study"}
+
+
+def test_the_library_never_imports_the_lab():
+    """Two layers: no library group may import a lab group (the import check above enforces
+    each group's ALLOWED set, so this keeps the sets themselves honest)."""
+    library = set(ALLOWED) - LAB
+    assert {g: ALLOWED[g] & LAB for g in library if ALLOWED[g] & LAB} == {}
+    assert LAB <= set(ALLOWED) and all((SRC / g).is_dir() for g in LAB)
