@@ -11,6 +11,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import VOCAB, make_text  # noqa: E402
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_two_ranks_open_the_same_shards_without_building(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": make_text(d, i, 200), "meta": {
@@ -31,9 +38,9 @@ def test_two_ranks_open_the_same_shards_without_building(tmp_path):
             "train.eval_chunks_per_domain": 1, "train.save_every": 2, "train.log_every": 0,
             "train.num_threads": 1}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_port=0", "-m", "remoe.cli", "train", "--no-progress"]
+           f"--master_port={_free_port()}", "-m", "remoe.cli", "train", "--no-progress"]
     cmd += [f"--set={k}={v}" for k, v in sets.items()]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "runs/two/metrics.jsonl").read_text().splitlines()
