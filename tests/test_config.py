@@ -275,7 +275,7 @@ print(json.dumps(out))
 
 
 def test_help_print_config_and_config_errors_import_neither_torch_nor_transformers(tmp_path):
-    """Issue 17: `--help`, `--print-config` and a config error must not pay for importing torch
+    """`--help`, `--print-config` and a config error must not pay for importing torch
     or transformers (seconds). Checked by sys.modules in a fresh interpreter, not by timing."""
     import subprocess
     import sys
@@ -310,7 +310,7 @@ def test_public_names_are_lazy_and_register_auto_classes():
 
 
 def test_every_routing_and_control_field_is_declared_once():
-    """Issue 27: a routing or sparsity-control field has one declaration with a default, in its
+    """a routing or sparsity-control field has one declaration with a default, in its
     section dataclass. A class anywhere in remoe that declares the same name with a literal
     default is a second definition (the MoE layer's config used to copy 24 of them), unless it
     is listed here as a different quantity that shares the name."""

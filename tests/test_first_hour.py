@@ -1,4 +1,4 @@
-"""What a first-time user meets on the command line (issue 17): a misplaced config path gets a
+"""What a first-time user meets on the command line: a misplaced config path gets a
 suggestion, and `remoe train > log 2>&1` logs data preparation and progress lines."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_train_without_a_terminal_logs_progress(tmp_path):
                        flags=re.M)
     steps = [int(s) for s, *_ in lines]
     assert {10, 20, 25} <= set(steps) and steps == sorted(steps)
-    # the first step carries the warm-up: no ETA from it (issue 29: it was ~8x too high)
+    # the first step carries the warm-up: no ETA from it (it was ~8x too high)
     assert re.search(r"^step +1/25 \( *\d+%\) .* tok/s  ETA after warm-up$", text, flags=re.M)
     assert all(int(rate.replace(",", "")) > 0 for _, rate, _, _ in lines)
     last = lines[-1]

@@ -163,7 +163,7 @@ def test_report(remoe_run, topk_run, eval_npz, tmp_path):
     # the comparison table lists both runs' validation loss (3.9)
     assert len(re.findall(r"3\.9000", html)) >= 2
     # settling time: the ReLU run's 60 steps; the TopK run's sparsity is fixed by the router,
-    # so n/a as in its training summary, not a settling time of 0 (issue 29 item 7)
+    # so n/a as in its training summary, not a settling time of 0
     assert "n/a (sparsity fixed by the router)" in html
     rows = re.findall(r"<tr>(.*?)</tr>", html, flags=re.S)
     topk_row = next(r for r in rows if ">moe-syn<" in r and ">topk<" in r)

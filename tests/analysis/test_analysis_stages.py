@@ -109,7 +109,7 @@ def test_smoothing_and_mean_std():
 
 
 def test_settling_step_comes_after_the_last_excursion():
-    # the case of issue 17: in the band from step 82, out of it for steps 93-115, in again
+    # the case once reported: in the band from step 82, out of it for steps 93-115, in again
     # from 116 to the end (300 steps): the settling step is 116, not 82
     steps = np.arange(1, 301)
     s = np.where(steps < 82, 0.5, TARGET + 0.01)

@@ -1,4 +1,4 @@
-"""``remoe bench --suite gpu`` (issue 28): one line without CUDA; its CUDA-path logic on CPU."""
+"""``remoe bench --suite gpu``: one line without CUDA; its CUDA-path logic on CPU."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def test_quick_all_suites_write_expected_json(tmp_path, capfd):
     for key in ("cpu_model", "cores_logical", "torch", "threads", "transformers", "allocator"):
         assert key in m
     assert m["threads"] == 1
-    # the load beside the run is recorded (issue 16)
+    # the load beside the run is recorded
     assert isinstance(m["busy_processes_start"], list) and isinstance(m["busy_processes_end"], list)
     assert res["layer_method"]["rounds"] == 1 and res["layer_method"]["reps"] == 2
     assert res["machine_ceiling"]["matmul_fp32_gflops"] > 0
@@ -43,7 +43,7 @@ def test_quick_all_suites_write_expected_json(tmp_path, capfd):
     assert {r["row"] for r in mod["throughput"]} == {"dense", "topk", "relu"}
     for r in mod["throughput"]:
         assert r["train_tokens_per_s"] > 0 and r["infer_tokens_per_s"] > 0
-        # host syncs per step on the CUDA code path beside tokens/s (issue 28)
+        # host syncs per step on the CUDA code path beside tokens/s
         assert r["syncs_backward"] == 0 and r["syncs_step"] == 1
         assert r["syncs_per_step"] == r["syncs_forward"] + 1
         assert r["syncs_forward"] == (2 if r["row"] == "relu" else 0)  # micro: 2 MoE layers

@@ -1,4 +1,4 @@
-"""``model.balance_bias_rate``: the ReLU router's per-expert balancing offset (issue 11)."""
+"""``model.balance_bias_rate``: the ReLU router's per-expert balancing offset."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sparsity-control options (issue 11): PI rule, per-layer lambdas, revival counters, state."""
+"""Sparsity-control options: PI rule, per-layer lambdas, revival counters, state."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_sparsity_control_state_round_trip_and_format_guard():
 
 def test_lambda_floor_bounds_the_fall_and_is_off_by_default():
     """model.lambda_floor: a layer held sparser than its target drives lambda down without
-    bound (issue 25: 1e-30); with a floor it stops there and climbs back from it."""
+    bound (1e-30); with a floor it stops there and climbs back from it."""
     cfg = ReMoEConfig.from_preset("micro", num_experts=8, sparsity_control="per_layer",
                                   lambda_update="pi", lambda0=1e-3)
     free = build_controller(cfg, 2)

@@ -1,4 +1,4 @@
-"""The gate-threshold dial (issue 11): tau = 0 is the trained model; larger tau, fewer experts."""
+"""The gate-threshold dial: tau = 0 is the trained model; larger tau, fewer experts."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Saved models against both ends of the supported transformers range (issue 24).
+"""Saved models against both ends of the supported transformers range.
 
 Runs scripts/check_hf_compat.py: two micro models and two converted ones, saved with remoe,
 loaded in fresh virtualenvs holding only torch, transformers (the newest on PyPI, and the

@@ -1,5 +1,5 @@
 """AutoTokenizer + batched left-padded generate and pipeline("text-generation") work out of the
-box on a saved directory and agree with unpadded, one-prompt generation (issue 12)."""
+box on a saved directory and agree with unpadded, one-prompt generation."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """lm-eval's own CLI (`lm_eval --model hf ... trust_remote_code=True`) on a saved directory, in
 a Python without remoe, agrees with remoe's registered model; `remoe eval`'s task runner fits
-every task to the model's context instead of letting lm-eval assert (issue 12)."""
+every task to the model's context instead of letting lm-eval assert."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A saved model directory is a complete HF repository that loads without remoe (issue 12)."""
+"""A saved model directory is a complete HF repository that loads without remoe."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ print("JSON" + json.dumps(out))
     assert torch.allclose(torch.tensor(got["resaved"]), want["relu"], atol=1e-5, rtol=0)
     resaved = {p.name for p in (tmp_path / "resaved").iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "modeling_remoe.py"} <= resaved
-    # the bundled code carries the card and regenerates checksums.json (issue 24)
+    # the bundled code carries the card and regenerates checksums.json
     from remoe import rundir
 
     assert (tmp_path / "resaved" / "README.md").read_text() == \

@@ -186,7 +186,7 @@ def test_lora_on_attention_and_experts_trains_and_merges_back(tmp_path, router):
 def test_remoe_trainer_under_torchrun_controls_the_all_reduced_sparsity(tmp_path, free_port):
     # two processes (gloo, CPU): both ranks start from the same lambda (gradient balance summed
     # over ranks), the controller sees the sparsity of both ranks' tokens together, every rank
-    # takes the same lambda at every step, and the weights stay equal (issue 26)
+    # takes the same lambda at every step, and the weights stay equal
     import os
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The forward's transformers arguments (issue 24): the KV cache under ``past_key_values=`` and
+"""The forward's transformers arguments: the KV cache under ``past_key_values=`` and
 ``cache=`` (transformers 5.24 passes the latter), a static cache refused in one line,
 ``output_hidden_states`` honoured, ``output_attentions`` refused, ``return_dict=False``."""
 

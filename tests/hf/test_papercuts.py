@@ -1,4 +1,4 @@
-"""Issue 12's papercuts: Pile domains with a named JSONL source, `remoe data CONFIG`, and the
+"""Papercuts: Pile domains with a named JSONL source, `remoe data CONFIG`, and the
 settling note only for adaptive routers."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_no_settling_note_for_a_fixed_sparsity_router(tmp_path, capsys):
 
 
 def test_auto_classes_ask_nothing_once_remoe_is_imported(save_micro):
-    # issue 29 item 7: AutoTokenizer reads config.json, whose auto_map names the bundled code,
+    # AutoTokenizer reads config.json, whose auto_map names the bundled code,
     # so transformers asked "Do you wish to run the custom code?" even with remoe installed.
     # `from remoe import ReMoEForCausalLM` registers model_type "remoe" with the Auto classes: both load from the
     # installed package without trust_remote_code and without the question (README, "Saved

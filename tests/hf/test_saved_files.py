@@ -1,4 +1,4 @@
-"""What a saved model directory holds (issue 24): files as readable as the umask allows, a
+"""What a saved model directory holds: files as readable as the umask allows, a
 re-save that keeps the model card and regenerates checksums.json, and a model card that names a
 converted model's source, its licence, the measured experts per token and what the validation
 loss is computed on."""

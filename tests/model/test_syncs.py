@@ -1,4 +1,4 @@
-"""Host synchronisations on the CUDA code path, counted on CPU (issue 28).
+"""Host synchronisations on the CUDA code path, counted on CPU.
 
 The targets, on the ``grouped_mm`` backend (the CUDA one, whose dispatch plan stays on the
 device): every router none in the MoE layer's forward and backward (fixed-k routers on an exact

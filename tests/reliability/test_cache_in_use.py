@@ -1,5 +1,4 @@
-"""The data cache cannot change under a running reader, and a run keeps its own tokenizer
-(issue 29 item 2).
+"""The data cache cannot change under a running reader, and a run keeps its own tokenizer.
 
 A run training on a cache holds ``.readers/<pid>``: ``remoe data`` with other settings on that
 cache (a new vocabulary) is refused in one line naming the PID, exit 2, and leaves the cache as
@@ -88,7 +87,7 @@ def test_checkpoints_and_final_hold_the_runs_tokenizer(tmp_path, train_argv):
 
 def test_cache_read_by_load_prepared_is_not_rebuilt(own_cache, rundir_data_cfg, capsys):
     # `remoe eval` and the analyses open a cache with load_prepared: while such a process holds
-    # its bundle, a build with other settings is refused as for a training run (issue 29)
+    # its bundle, a build with other settings is refused as for a training run
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""Sharded (DCP, ``train.fsdp=true``) checkpoints run no code from their files (issue 29 item 1).
+"""Sharded (DCP, ``train.fsdp=true``) checkpoints run no code from their files.
 
 torch reads ``dcp/.metadata`` with plain pickle and the non-tensor values of a shard with
 torch's full unpickler (``weights_only`` off); remoe reads both through :mod:`remoe.rundir.dcpread`. A crafted

@@ -1,4 +1,4 @@
-"""``remoe eval RUN`` on a run that is still training (issue 29 item 3).
+"""``remoe eval RUN`` on a run that is still training.
 
 The checkpoint eval picks is pinned (a private snapshot of hard links) until eval ends, so the
 training run pruning it (``train.keep_last=1``, a checkpoint every step) cannot make the load

@@ -1,4 +1,4 @@
-"""No file of a run or a config runs code (issue 29, the probe's cases beside DCP): a crafted
+"""No file of a run or a config runs code: a crafted
 pickle in ``trainer_state.pt`` (manifest recomputed) is skipped as unreadable, a crafted
 ``pytorch_model.bin`` is refused by ``remoe eval``, and a ``!!python/object`` YAML tag is a
 one-line config error; the payload never runs."""

@@ -48,7 +48,7 @@ def test_each_damaged_file_makes_resume_take_the_previous_checkpoint(finished, h
         err = capsys.readouterr().err
         if name == "checksums.json" and how == "delete":
             # every other file is intact, but a run that writes manifests never trusts one of
-            # its own checkpoints without one (issue 29 item 4)
+            # its own checkpoints without one
             assert "missing checksums.json (this run writes one" in err, err
         assert ckpt.name == "step_0000004" and state["step"] == 4, (name, how)
         assert "skipped checkpoint step_0000006" in err, (name, how, err)

@@ -1,4 +1,4 @@
-"""Integrity cannot be switched off (issue 29 item 4): a run that writes manifests never
+"""Integrity cannot be switched off: a run that writes manifests never
 accepts one of its own checkpoints without ``checksums.json``; ``--resume`` with config.yaml
 missing checks the model against the checkpoint's config.json; the files resume relies on are
 fsync'ed (checkpoint files before their rename, the directory after it, LATEST, the metrics

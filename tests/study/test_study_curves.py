@@ -178,7 +178,7 @@ def _swap_spec(write_spec):
 
 
 def test_continued_runs_section_from_committed_copies(write_spec, tmp_path):
-    # issue 26's recipes: a run started from another's weights gets a row with its source, the
+    # the recipes' study: a run started from another's weights gets a row with its source, the
     # first lambda and its rule (init_from.json, committed with the run), and the FLOPs of the
     # run plus its source's
     spec = _swap_spec(write_spec)

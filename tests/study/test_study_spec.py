@@ -101,7 +101,7 @@ BASE_NO_SHAPE = {"train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 3}
 
 
 def test_init_from_run_and_summed_match_flops_order_and_config(write_spec, tmp_path):
-    # issue 26's recipes: continue a study run's weights; match the FLOPs of two runs together
+    # the recipes' study: continue a study run's weights; match the FLOPs of two runs together
     spec = load_spec(write_spec({"base": BASE_NO_SHAPE, "groups": [
         {"name": "scratch", "set": {"model.preset": "micro", "model.num_experts": 4},
          "runs": [{"label": "relu", "set": {"model.router": "relu"}}],

@@ -1,4 +1,4 @@
-"""Sparsity-control options in real training (issue 11): per-layer lambda, PI rule, revival."""
+"""Sparsity-control options in real training: per-layer lambda, PI rule, revival."""
 
 import json
 

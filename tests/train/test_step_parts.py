@@ -1,4 +1,4 @@
-"""The parts of a training step (issue 13 item 3): step statistics, the one reduction of a step's
+"""The parts of a training step: step statistics, the one reduction of a step's
 sums, the sparsity-control hooks, the divergence stop and the progress lines."""
 
 from types import SimpleNamespace
@@ -112,7 +112,7 @@ def test_progress_lines_first_every_and_last(capsys):
 
 def test_progress_eta_ignores_the_first_steps_warm_up(capsys, monkeypatch):
     # step 1 takes 80 s (warm-up), then 10 s per step: the ETA at step 3 of 10 is 7 x 10 s,
-    # not (100 s / 3) x 7 nor 80 s x 7 (issue 29 item 7: the first ETAs were ~8x too high)
+    # not (100 s / 3) x 7 nor 80 s x 7 (the first ETAs were ~8x too high)
     clock = iter([80.0, 90.0, 100.0])
     monkeypatch.setattr("remoe.train.progress.time.monotonic", lambda: next(clock))
     lines = ProgressLines(total=10, every=1)

@@ -1,4 +1,4 @@
-"""Issue 29 item 5 (config and run directory): each bad input is one line, exit 2, before any
+"""Each bad input is one line, exit 2, before any
 data or model work, with nothing left behind; a run killed before its first checkpoint leads
 somewhere from both commands; a torn last metrics line is restored from the checkpoint."""
 

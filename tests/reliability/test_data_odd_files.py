@@ -1,4 +1,4 @@
-"""Issue 29 item 5 (data): links, loops, FIFOs, devices and oversized documents in a source.
+"""Links, loops, FIFOs, devices and oversized documents in a source.
 
 A ``.txt`` link pointing outside the source tree is followed (a data directory of links into a
 shared store is common); a symlink loop, a dangling link and a FIFO inside a directory are

@@ -1,4 +1,4 @@
-"""Issue 15, item 6: every bad config is one ConfigError line at load time (exit 2 via the CLI),
+"""Every bad config is one ConfigError line at load time (exit 2 via the CLI),
 before any data or model work; an empty YAML is the documented default run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 29 item 7: first-hour papercuts stay fixed."""
+"""First-hour papercuts stay fixed."""
 
 import re
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Issue 15, item 7: bad data is a one-line error naming the source (exit 2 via the CLI) or an
+"""Bad data is a one-line error naming the source (exit 2 via the CLI) or an
 explicit warning with counts, never a traceback and never silently used in part."""
 
 from __future__ import annotations
