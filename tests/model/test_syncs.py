@@ -22,7 +22,7 @@ from remoe.model.moe import MoEConfig, MoELayer
 from remoe.machine.syncs import SyncCounter
 
 FIXED_K = ("topk", "topk_warmup", "topk_auxfree", "sparsemixer", "hash", "expert_choice")
-DATA_DEPENDENT = ("relu", "blockffn")
+DATA_DEPENDENT = ("relu", "blockffn", "relu_threshold", "expert_threshold")
 
 
 def test_every_token_router_is_classified():
