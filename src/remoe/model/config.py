@@ -48,6 +48,8 @@ class ReMoEConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache field, < 5.24 / 5.24 on
 
     def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("expert_backend") == "measured":  # a removed opt-in backend: a saved
+            kwargs["expert_backend"] = "auto"  # config.json that names it computes as auto
         names = field_types(kwargs.get("router", RoutingConfig.router),
                             kwargs.get("router_module"))
         fields = {k: kwargs.pop(k) for k in list(kwargs)

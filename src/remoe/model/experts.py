@@ -11,8 +11,6 @@ Weights are stacked 3-D tensors: ``w_in_ND2H`` (gate and up projections side by 
   materialises ``[P, D]``, in its own module (:mod:`remoe.model.fused_cpu`).
 
 ``auto`` picks ``fused`` on CPU, ``grouped_mm`` on CUDA bf16 (sm80+) and ``reference`` otherwise.
-``measured`` (opt-in, CPU): the faster of ``fused`` and ``grouped_mm`` per shape, timed once and
-cached (:mod:`remoe.model.autotune`); not bit-identical to ``auto`` (fp32 agreement ~1e-6).
 Keep this module out of ``torch.compile``. See docs/PERFORMANCE.md for the measurements.
 """
 
@@ -23,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from remoe.model.autotune import BackendTuner, shape_key
 from remoe.model.dispatch import Dispatch, mask_padding, pair_gates, permute, unpermute
 from remoe.model.fused_cpu import swiglu_fused
 
@@ -107,7 +104,6 @@ class SwiGLUExperts(nn.Module):
         self.w_in_ND2H = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_expert))
         self.w_out_NHD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
         self.init_std = init_std
-        self.tuner = BackendTuner() if backend == "measured" else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -115,10 +111,7 @@ class SwiGLUExperts(nn.Module):
         nn.init.normal_(self.w_out_NHD, std=self.init_std)
 
     def resolve_backend(self, x: Tensor) -> str:
-        if self.backend == "measured" and x.device.type == "cpu" and grouped_mm_supported(
-                x, self.d_expert):
-            return "measured"
-        if self.backend not in ("auto", "measured"):
+        if self.backend != "auto":
             return self.backend
         if x.device.type == "cpu":
             return "fused"
@@ -135,8 +128,6 @@ class SwiGLUExperts(nn.Module):
         w_in, w_out = self.w_in_ND2H, self.w_out_NHD
         if x_TD.dtype != w_in.dtype:  # autocast does not cover grouped_mm / bmm on stacked weights
             w_in, w_out = w_in.to(x_TD.dtype), w_out.to(x_TD.dtype)
-        if backend == "measured":
-            backend = self._measured(x_TD, gates_TN, w_in, w_out, plan)
         return self._compute(backend, x_TD, gates_TN, w_in, w_out, plan)
 
     def _compute(self, backend: str, x_TD: Tensor, gates_TN: Tensor, w_in: Tensor, w_out: Tensor,
@@ -148,34 +139,18 @@ class SwiGLUExperts(nn.Module):
         y_PD = self.forward(x_PD, plan.counts_N, backend=backend, weights=(w_in, w_out))
         return unpermute(mask_padding(y_PD, plan), pair_gates(gates_TN, plan), plan, x_TD.shape[0])
 
-    def _measured(self, x_TD: Tensor, gates_TN: Tensor, w_in: Tensor, w_out: Tensor,
-                  plan: Dispatch) -> str:
-        """The tuner's backend for this shape: timed once on detached copies of these inputs
-        (forward, plus backward when gradients are on), then remembered."""
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, gates_TN, w_in))
-        key = shape_key(x_TD, self.num_experts, self.d_expert, plan.num_pairs, grad)
-
-        def run(backend: str) -> None:
-            args = [t.detach().requires_grad_(grad) for t in (x_TD, gates_TN, w_in, w_out)]
-            with torch.set_grad_enabled(grad):
-                y = self._compute(backend, *args, plan)
-                if grad:
-                    y.backward(torch.ones_like(y))
-
-        return self.tuner.choose(key, run)
-
     def forward(self, x_PD: Tensor, counts_N: Tensor | None = None, backend: str | None = None,
                 weights: tuple[Tensor, Tensor] | None = None, *, gates_TN: Tensor | None = None,
                 plan: Dispatch | None = None) -> Tensor:
         """``x_PD`` rows grouped by expert with ``counts_N`` rows each -> ``[P, D]`` (unfused).
-        ``weights``: ``(w_in, w_out)`` to use instead of the module's (the tuner's copies).
+        ``weights``: ``(w_in, w_out)`` to use instead of the module's (cast copies).
         With ``plan=`` (and ``gates_TN=``): :meth:`forward_tokens` on the token states ``x_PD``
         (how the MoE layer calls experts wrapped by PEFT, whose call applies the adapter)."""
         if plan is not None:
             return self.forward_tokens(x_PD, gates_TN, plan)
         x_PD = autocast_input(x_PD)
         backend = backend or self.resolve_backend(x_PD)
-        if backend in ("fused", "measured"):  # jagged rows without a plan: grouped_mm computes them
+        if backend == "fused":  # jagged rows without a plan: grouped_mm computes them
             backend = "grouped_mm" if grouped_mm_supported(x_PD, self.d_expert) else "reference"
         fn = swiglu_grouped_mm if backend == "grouped_mm" else swiglu_reference
         w_in, w_out = weights or (self.w_in_ND2H, self.w_out_NHD)

@@ -34,7 +34,7 @@ LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-inte
 #: what happens to a dead expert: a hinge pulls its router row back | it becomes a copy of the
 #: busiest expert of its layer (remoe.train.revive_split)
 REVIVE_METHODS = ("hinge", "split")
-EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference", "measured")
+EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 #: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section
 TOKEN_IDS = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0}
