@@ -1,9 +1,15 @@
-"""prepare_data: the packed token store, its manifest, caching and rebuilds."""
+"""prepare_data: the sharded store's layout and manifest, checksums, reuse and rebuilds.
+
+Covered elsewhere, so not repeated here (tests/data/test_data_shards.py): a rerun that reads
+no source and re-encodes nothing (``test_start_up_does_not_read_the_sources``), a shard with
+a flipped byte found by its sha256 and rebuilt (``test_corrupt_shard_is_found_before_use_and_
+rebuilt``); nothing rewritten when other processes open the store
+(tests/data/test_data_two_ranks.py).
+"""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import numpy as np
@@ -11,9 +17,15 @@ import pytest
 
 from remoe.data import (SPLITS, DataConfig, load_documents, load_hf_tokenizer, load_prepared,
                         prepare_data)
-from remoe.data import store as store_mod
+from remoe.data import shards as shards_mod
 from remoe.data import tokenizer as tok_mod
+from remoe.data._io import sha256_file
 from remoe.data.cli import add_arguments, run
+from remoe.data.errors import DataNotFoundError
+from remoe.data.shardstore import ShardedStore, file_problem
+from remoe.data.streambuild import STORE_DIR, STORE_FORMAT, all_files
+
+SMALL_SHARD_BYTES = 4000  # the 24-document corpus (~19 KB) in several units
 
 
 def _cfg(src, cache, **kw):
@@ -36,37 +48,66 @@ class _Counter:
 
 @pytest.fixture
 def counted(monkeypatch):
-    build = _Counter(store_mod.build_split_store)
+    """(units encoded, tokenizers trained); one worker, so units are encoded in this process."""
+    encode = _Counter(shards_mod.encode_unit)
     train = _Counter(tok_mod.train_tokenizer)
-    monkeypatch.setattr(store_mod, "build_split_store", build)
+    monkeypatch.setattr(shards_mod, "encode_unit", encode)
     monkeypatch.setattr(tok_mod, "train_tokenizer", train)
-    return build, train
+    return encode, train
 
 
-def _mtimes(cache):
-    return {p: p.stat().st_mtime_ns for p in sorted(cache.rglob("*")) if p.is_file()
-            and p.name != ".lock"}
+def _all_tokens(bundle):
+    return {s: bundle.split(s).read(0, bundle.split(s).num_tokens) for s in SPLITS}
 
 
 def test_store_layout_and_manifest(small_bundle):
     b = small_bundle
-    m = json.loads((b.cache_dir / "manifest.json").read_text())
-    assert m["format_version"] == 1
-    assert m["tokenizer"]["sha256"] == m["tokens"]["tokenizer"]
-    assert set(m["corpus"]["fingerprints"]) == {"alpha", "beta", "gamma"}
-    assert b.domains == ["alpha", "beta", "gamma"]
-    assert b.vocab_size == 300 and b.eos_id == 0 and b.tokenizer_path.name == "tokenizer.json"
+    store = b.cache_dir / STORE_DIR
+    m = json.loads((store / "manifest.json").read_text())
+    assert m == b.manifest
+    assert m["format"] == STORE_FORMAT and m["key"].startswith(m["dir"]) and len(m["dir"]) == 16
+    assert b.store_root == store / m["dir"]
+    # the single-file cache of format 1 is never written beside it
+    assert not any((b.cache_dir / p).exists() for p in ("manifest.json", "corpus", "tokens"))
+    assert b.tokenizer_path == b.store_root / "tokenizer.json"
+    assert m["tokenizer"]["sha256"] == sha256_file(b.tokenizer_path)
+    assert b.domains == m["domains"] == ["alpha", "beta", "gamma"]
+    assert set(m["corpus"]["splits"]["train"]) == {"alpha", "beta", "gamma"}
+    assert b.vocab_size == 300 and b.eos_id == 0 and m["dtype"] == "uint16"
+    # every file the manifest lists is there with its recorded size and sha256
+    files = all_files(m)
+    assert {"tokenizer.json", "heldout/validation.jsonl", "heldout/test.jsonl"} <= set(files)
+    assert {f"index/{s}.{w}.npy" for s in SPLITS for w in ("segments", "doc_offsets",
+                                                           "doc_domains")} <= set(files)
+    assert m["shards"] and all(name.endswith(".bin") for name in m["shards"])
+    for rel, meta in files.items():
+        assert file_problem(b.store_root / rel, meta, full=True) is None, rel
+    assert json.loads((b.store_root / "plan.json").read_text())["domains"] == b.domains
+    journal = (b.store_root / "shards" / "journal.jsonl").read_text().splitlines()
+    assert len(journal) == len(m["shards"])
     for s in SPLITS:
         st = b.split(s)
-        assert st.dtype == np.uint16
-        assert isinstance(st.tokens, np.memmap)
+        assert isinstance(st, ShardedStore) and st.dtype == np.uint16
         entry = m["tokens"]["splits"][s]
-        assert entry["num_tokens"] == st.num_tokens and entry["num_docs"] == st.num_docs
+        assert entry["num_tokens"] == st.num_tokens == len(st.tokens)
+        assert entry["num_docs"] == st.num_docs == len(st.doc_offsets) - 1
+        assert st.doc_offsets[-1] == st.num_tokens
         assert set(st.docs_per_domain()) == {"alpha", "beta", "gamma"}  # every domain held out
+        tokens = st.read(0, st.num_tokens)
+        # the segment table (virtual start, unit, start in unit, length) tiles the split, and
+        # its rows are the shards' memory-mapped tokens
+        seg = np.load(b.store_root / "index" / f"{s}.segments.npy")
+        assert seg.shape[1] == 4 and seg[0, 0] == 0
+        assert np.array_equal(seg[1:, 0], np.cumsum(seg[:-1, 3]))
+        assert int(seg[:, 3].sum()) == st.num_tokens
+        for vstart, unit, off, n in seg.tolist():
+            shard = st._shard(unit)
+            assert isinstance(shard, np.memmap)
+            assert np.array_equal(shard[off: off + n], tokens[vstart: vstart + n])
         # each document ends with EOS and EOS appears nowhere else
-        ends = st.doc_offsets[1:] - 1
-        assert np.all(np.asarray(st.tokens)[ends] == b.eos_id)
-        assert int((np.asarray(st.tokens) == b.eos_id).sum()) == st.num_docs
+        ends = np.asarray(st.doc_offsets[1:]) - 1
+        assert np.all(tokens[ends] == b.eos_id)
+        assert int((tokens == b.eos_id).sum()) == st.num_docs
     assert "alpha" in b.summary() and "validation tokens" in b.summary()
 
 
@@ -105,87 +146,81 @@ def test_chunks_never_cross_domains(small_bundle):
                 assert b.decode(row) in joined
 
 
-def test_rerun_reuses_everything(tmp_path, txt_corpus, counted):
-    build, train = counted
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_shard_is_detected_and_only_its_unit_rebuilt(tmp_path, txt_corpus, counted,
+                                                             damage):
+    encode, train = counted
     cfg = _cfg(txt_corpus, tmp_path / "cache")
-    first = prepare_data(cfg, progress=False)
-    assert (build.calls, train.calls) == (3, 1)
-    before = _mtimes(tmp_path / "cache")
-    second = prepare_data(cfg, progress=False)
-    assert (build.calls, train.calls) == (3, 1)  # no re-tokenisation, no retraining
-    assert _mtimes(tmp_path / "cache") == before  # nothing rewritten
-    assert second.manifest == first.manifest
-    # a different seq_len needs no rebuild either: chunking happens at load time
-    assert len(second.split("train").chunks(16)) > len(second.split("train").chunks(32))
-    assert build.calls == 3
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_corrupt_array_is_detected_and_rebuilt(tmp_path, txt_corpus, counted, caplog, damage):
-    build, _ = counted
-    cfg = _cfg(txt_corpus, tmp_path / "cache")
-    good = prepare_data(cfg, progress=False)
-    ref = np.asarray(good.split("train").tokens).copy()
-    path = tmp_path / "cache" / "tokens" / "train.tokens.npy"
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[-3] ^= 0xFF
-        path.write_bytes(bytes(data))
-    elif damage == "truncate":
-        path.write_bytes(bytes(data[:-10]))
+    good = prepare_data(cfg, progress=False, shard_bytes=SMALL_SHARD_BYTES)
+    units = encode.calls
+    assert units >= 3 and units == len(good.manifest["shards"])
+    ref, ref_manifest = _all_tokens(good), good.manifest
+    shard = good.store_root / "shards" / "u000001.bin"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
     else:
-        path.unlink()
-    with pytest.raises(ValueError, match="corrupt"):
+        shard.unlink()
+    with pytest.raises(DataNotFoundError, match="no complete data cache"):
         load_prepared(tmp_path / "cache")
-    with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        fixed = prepare_data(cfg, progress=False)
-    assert "train split" in caplog.text
-    assert build.calls == 4  # only the damaged split was re-tokenised
-    assert np.array_equal(np.asarray(fixed.split("train").tokens), ref)
+    fixed = prepare_data(cfg, progress=False, shard_bytes=SMALL_SHARD_BYTES)
+    assert encode.calls == units + 1  # only the damaged unit was re-tokenised
+    assert train.calls == 1  # the tokenizer was kept
+    assert fixed.manifest == ref_manifest
+    for s, arr in _all_tokens(fixed).items():
+        assert np.array_equal(arr, ref[s])
     load_prepared(tmp_path / "cache")  # verifies cleanly again
 
 
-def test_tokenizer_or_source_change_rebuilds(tmp_path, txt_corpus, counted, caplog):
-    build, train = counted
+def test_tokenizer_or_source_change_rebuilds(tmp_path, txt_corpus, counted):
+    encode, train = counted
     cache = tmp_path / "cache"
     a = prepare_data(_cfg(txt_corpus, cache), progress=False)
-    with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        b = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
-    assert "retraining" in caplog.text and "tokenizer changed" in caplog.text
-    assert (build.calls, train.calls) == (6, 2)
+    a_manifest, a_root = a.manifest, a.store_root
+    assert (encode.calls, train.calls) == (1, 1)
+    b = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
+    assert (encode.calls, train.calls) == (2, 2)  # retrained and re-tokenised
     assert b.vocab_size == 320
-    assert b.manifest["tokenizer"]["sha256"] != a.manifest["tokenizer"]["sha256"]
-    caplog.clear()
-    # edit one source file: its domain's fingerprint changes
+    assert b.manifest["tokenizer"]["sha256"] != a_manifest["tokenizer"]["sha256"]
+    assert b.manifest["key"] != a_manifest["key"]
+    # the other settings' store is removed once the new one is finished
+    assert not a_root.exists()
+    assert [p.name for p in (cache / STORE_DIR).iterdir() if p.is_dir()] == [b.manifest["dir"]]
+    # edit one source file: its size and mtime change the key
+    old_text = (txt_corpus / "beta" / "doc_03.txt").read_text()
     (txt_corpus / "beta" / "doc_03.txt").write_text("a changed beta document\n")
-    with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        c = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
-    assert "data sources changed (changed: beta)" in caplog.text
-    assert (build.calls, train.calls) == (9, 3)
-    fps_b, fps_c = b.manifest["corpus"]["fingerprints"], c.manifest["corpus"]["fingerprints"]
-    assert fps_c["alpha"] == fps_b["alpha"] and fps_c["beta"] != fps_b["beta"]
-    assert any(d.text == "a changed beta document\n" for s in SPLITS for d in c.documents(s))
+    c = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
+    assert (encode.calls, train.calls) == (3, 3)
+    assert c.manifest["key"] != b.manifest["key"]
+    texts = [d.text for s in SPLITS for d in c.documents(s)]
+    assert "a changed beta document\n" in texts and old_text not in texts
 
 
 def test_given_tokenizer_is_used(tmp_path, txt_corpus, small_bundle, counted):
-    build, train = counted
+    encode, train = counted
     cfg = _cfg(txt_corpus, tmp_path / "cache", tokenizer=str(small_bundle.tokenizer_path))
     b = prepare_data(cfg, progress=False)
-    assert train.calls == 0
-    assert (b.tokenizer_path.read_bytes() == small_bundle.tokenizer_path.read_bytes())
+    assert train.calls == 0 and encode.calls == 1
+    assert b.tokenizer_path.read_bytes() == small_bundle.tokenizer_path.read_bytes()
     assert b.manifest["tokenizer"]["source"].startswith("loaded from")
     prepare_data(cfg, progress=False)
-    assert build.calls == 3  # the second run reused the store
-    hf = load_hf_tokenizer(b.cache_dir)
+    assert encode.calls == 1  # the second run reused the store
+    hf = load_hf_tokenizer(b.cache_dir)  # the data cache directory names its tokenizer
     assert hf.eos_token_id == b.eos_id
+    assert len(hf) == b.vocab_size
 
 
 def test_identical_inputs_give_identical_bytes(tmp_path, txt_corpus):
-    a = prepare_data(_cfg(txt_corpus, tmp_path / "a"), progress=False)
-    b = prepare_data(_cfg(txt_corpus, tmp_path / "b"), progress=False)
-    for rel in ["tokenizer.json", "corpus/train.jsonl"] + [
-            f"tokens/{s}.{w}.npy" for s in SPLITS for w in store_mod.TOKEN_FILES]:
-        assert (a.cache_dir / rel).read_bytes() == (b.cache_dir / rel).read_bytes(), rel
+    a = prepare_data(_cfg(txt_corpus, tmp_path / "a"), progress=False,
+                     shard_bytes=SMALL_SHARD_BYTES)
+    b = prepare_data(_cfg(txt_corpus, tmp_path / "b"), progress=False,
+                     shard_bytes=SMALL_SHARD_BYTES)
+    assert a.manifest == b.manifest
+    store_a, store_b = a.cache_dir / STORE_DIR, b.cache_dir / STORE_DIR
+    files = sorted(p.relative_to(store_a) for p in store_a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(store_b) for p in store_b.rglob("*") if p.is_file())
+    assert {f"{a.manifest['dir']}/{rel}" for rel in all_files(a.manifest)} <= set(map(str, files))
+    for rel in files:
+        assert (store_a / rel).read_bytes() == (store_b / rel).read_bytes(), rel
 
 
 def test_cli_run(tmp_path, txt_corpus, capsys):
@@ -203,4 +238,4 @@ def test_cli_run(tmp_path, txt_corpus, capsys):
     bad = parser.parse_args(["--vocab-size", "10", "--cache-dir", str(tmp_path / "d")])
     assert run(bad) == 2
     assert "data.vocab_size=10 must be >= 256" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "d" / "manifest.json")
+    assert not os.path.exists(tmp_path / "d")  # nothing built, not even the directory

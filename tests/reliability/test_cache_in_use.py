@@ -8,6 +8,7 @@ that one; a resume on a cache rebuilt with another tokenizer is refused in one l
 """
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,12 @@ from remoe.cli import main
 
 def _sha(p):
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _cache_tokenizer(cache):
+    """The tokenizer of the cache's finished sharded store (``store-v2/<key16>/``)."""
+    store = cache / "store-v2"
+    return store / json.loads((store / "manifest.json").read_text())["dir"] / "tokenizer.json"
 
 
 @pytest.fixture
@@ -60,7 +67,7 @@ def test_cache_of_a_live_run_is_not_rebuilt(own_cache, rundir_data_cfg, tmp_path
         # the same settings: reused, no refusal
         assert main(_data_argv(own_cache, rundir_data_cfg, rundir_data_cfg.vocab_size)) == 0
         # the run trains with its own copy of the tokenizer, which its checkpoints hold
-        assert _sha(run / "tokenizer.json") == _sha(own_cache / "tokenizer.json")
+        assert _sha(run / "tokenizer.json") == _sha(_cache_tokenizer(own_cache))
     finally:
         os.kill(pid, signal.SIGKILL)
         rd.wait_exit(pid)
@@ -99,14 +106,14 @@ def test_cache_read_by_load_prepared_is_not_rebuilt(own_cache, rundir_data_cfg, 
     reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert reader.stdout.readline().strip() == "ready"
-        before = _sha(own_cache / "tokenizer.json")
+        before = _sha(_cache_tokenizer(own_cache))
         argv = _data_argv(own_cache, rundir_data_cfg, rundir_data_cfg.vocab_size + 128)
         capsys.readouterr()
         assert main(argv) == 2
         assert f"in use by pid {reader.pid}" in capsys.readouterr().err
-        assert _sha(own_cache / "tokenizer.json") == before
+        assert _sha(_cache_tokenizer(own_cache)) == before
     finally:
         reader.kill()
         reader.wait()
     assert main(_data_argv(own_cache, rundir_data_cfg, rundir_data_cfg.vocab_size + 128)) == 0
-    assert _sha(own_cache / "tokenizer.json") != before
+    assert _sha(_cache_tokenizer(own_cache)) != before

@@ -226,20 +226,16 @@ def test_remoe_train_never_writes_nan_val_loss(tmp_path, capsys):
 # -- cache ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("manifest", ["[]", '{"format_version": 1, "corpus": 5}',
-                                      '{"format_version": 1, "corpus": {"key": "k"}, '
-                                      '"tokenizer": "x", "tokens": 3}', '"text"'])
-def test_malformed_manifest_is_a_corrupt_cache_rebuilt_with_a_warning(built_cache, tmp_path,
-                                                                      manifest, caplog):
+@pytest.mark.parametrize("manifest", ["[]", '"text"', '{"format": "remoe-shards/1", "dir": 5}',
+                                      '{"format": "remoe-shards/1", "dir": "x", "shards": 3}'])
+def test_malformed_manifest_is_a_corrupt_cache_rebuilt(built_cache, tmp_path, manifest):
     from remoe.data import load_prepared
 
     cfg = _copy_cache(built_cache, tmp_path)
-    (Path(cfg.cache_dir) / "manifest.json").write_text(manifest)
+    (Path(cfg.cache_dir) / "store-v2" / "manifest.json").write_text(manifest)
     with pytest.raises(FileNotFoundError, match="no complete data cache"):
         load_prepared(cfg.cache_dir)
-    with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        bundle = prepare_data(cfg, progress=False)
-    assert "rebuilding" in caplog.text and "manifest.json" in caplog.text
+    bundle = prepare_data(cfg, progress=False)
     assert bundle.split("train").num_docs > 0
     assert load_prepared(cfg.cache_dir).domains == ["alpha", "beta"]
 
@@ -273,7 +269,7 @@ def test_complete_cache_is_readable_when_nothing_may_be_written(built_cache, tmp
     assert bundle.split("train").num_docs > 0
     # a cache that needs a rebuild says so in one line instead of failing somewhere inside
     monkeypatch.setattr(builtins, "open", real_open)
-    (cache / "manifest.json").write_text("[]")
+    (cache / "store-v2" / "manifest.json").write_text("[]")
     monkeypatch.setattr(builtins, "open", ro_open)
     msg = _one_line_error(cfg)
     assert "not writable" in msg and str(Path(cfg.cache_dir)) in msg

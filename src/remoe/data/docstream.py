@@ -134,3 +134,4 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
         log.info("dropped %d exact duplicate documents", budget.duplicates)
     if budget.too_big_bytes:
         found.setdefault("too_big", []).extend(budget.too_big_bytes)
+        found["max_bytes"] = [max_bytes_per_domain]

@@ -112,12 +112,16 @@ def build_plan(docs: Iterable[Any], directory: Path, val_fraction: float, test_f
                 buf.clear()
         f.write(buf)
     where = f"{n} document(s) in {len(tallies)} domain(s) from {list(sources)}"
+    big = found.get("too_big") or []
+    too_big = (f"{len(big)} document(s) skipped: each is larger than data.max_bytes_per_domain="
+               f"{(found.get('max_bytes') or [0])[0]:,} (largest {max(big):,} bytes); raise "
+               "data.max_bytes_per_domain or split them") if big else ""
     if n == 0:
-        big = found.get("too_big") or []
-        extra = (f": {len(big)} document(s) larger than data.max_bytes_per_domain (largest "
-                 f"{max(big):,} bytes); raise it or split them" if big else
+        extra = (f": {too_big}" if big else
                  " (no non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz/.parquet document)")
         raise DataNotFoundError(f"no documents found in data sources {list(sources)}{extra}")
+    if too_big:
+        log.warning("%s", too_big)
     labels = np.memmap(directory / LABELS_FILE, dtype=np.uint8, mode="r+", shape=(n,))
     for dom in sorted(tallies):
         for i, lab in corrections(tallies[dom], val_fraction, test_fraction).items():

@@ -89,11 +89,26 @@ def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
     if not isinstance(m, dict) or m.get("format") != STORE_FORMAT or (
             key is not None and m.get("key") != key):
         return None
-    root = store / m["dir"]
-    for rel, meta in all_files(m).items():
+    listed = _listed_files(store, m)
+    if listed is None:
+        return None
+    root, files = listed
+    for rel, meta in files.items():
         if file_problem(root / rel, meta, full=False) is not None:
             return None
     return m
+
+
+def _listed_files(store: Path, m: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """The store directory and the files a manifest lists; None if it is malformed."""
+    try:
+        files = all_files(m)
+        if not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and
+                   isinstance(v.get("sha256"), str) for v in files.values()):
+            return None
+        return store / m["dir"], files
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 def all_files(m: dict[str, Any]) -> dict[str, Any]:
@@ -216,11 +231,12 @@ def verify_store(cache: Path) -> list[str]:
     """Every problem of the finished store in ``cache`` (full sha256 of every file)."""
     store = cache / STORE_DIR
     m = read_json(store / "manifest.json")
-    if not isinstance(m, dict) or m.get("format") != STORE_FORMAT:
+    listed = _listed_files(store, m) if isinstance(m, dict) else None
+    if listed is None or m.get("format") != STORE_FORMAT:
         return [f"no finished sharded store in {store} (run `remoe data`)"]
-    root = store / m["dir"]
+    root, files = listed
     problems = []
-    for rel, meta in sorted(all_files(m).items()):
+    for rel, meta in sorted(files.items()):
         p = file_problem(root / rel, meta, full=True)
         if p is not None:
             problems.append(f"{rel}: {p}")

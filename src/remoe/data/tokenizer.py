@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from remoe.data._io import atomic_write_text, sha256_file
+from remoe.data._io import atomic_write_text, read_json, sha256_file
 
 log = logging.getLogger("remoe.data")
 
@@ -159,7 +159,10 @@ def load_hf_tokenizer(path: str | os.PathLike[str]):
 
     p = Path(path)
     if p.is_dir():
-        p = p / "tokenizer.json"
+        store = p / "store-v2" / "manifest.json"  # a data cache dir: its sharded store's tokenizer
+        m = read_json(store)
+        p = (store.parent / m["dir"] if isinstance(m, dict) and isinstance(m.get("dir"), str)
+             else p) / "tokenizer.json"
     tok = Tokenizer.from_file(str(p))
     found = find_eos(tok)
     eos = found[0] if found else EOS_TOKEN
