@@ -59,7 +59,7 @@ def test_train_without_a_terminal_logs_progress(tmp_path):
     text = log.read_text()
     assert r.returncode == 0, text[-3000:]
     # data preparation reports its stages
-    assert re.search(r"\[remoe\.data +[\d.]+s\] collecting corpus", text)
+    assert re.search(r"\[remoe\.data +[\d.]+s\] planning splits", text)
     assert re.search(r"\[remoe\.data +[\d.]+s\] data ready", text)
     # then progress lines: step of the total, tokens/s, ETA (steps 1, 10, 20 and the last)
     lines = re.findall(r"^step +(\d+)/25 \( *\d+%\) .* ([\d,]+) tok/s  ETA (\d+)m(\d\d)s$", text,

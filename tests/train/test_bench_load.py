@@ -4,8 +4,8 @@ from remoe.bench.load import _settings, _train
 
 
 def test_settings_cover_all_cores_one_thread_and_auto():
-    assert [t for _, t in _settings(2)] == ["2", "1", "null"]
-    assert [t for _, t in _settings(1)] == ["1", "null"]
+    assert [t for _, t in _settings(2)] == ["2", "1", "auto"]
+    assert [t for _, t in _settings(1)] == ["1", "auto"]
 
 
 def test_one_load_run_reports_tokens_per_s_and_threads(make_overrides, tmp_path):
