@@ -23,6 +23,7 @@ ALLOWED = {
     "method": {"errors", "model"},
     "data": {"errors", "safeyaml"},
     "experiment": {"errors", "safeyaml", "model", "data"},
+    "configfile": {"errors", "experiment"},  # which experiment file a command reads
     "rundir": {"errors", "model", "data", "experiment"},
     "distributed": {"errors", "model", "rundir"},
     "convert": {"errors", "model", "rundir"},

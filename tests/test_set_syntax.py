@@ -22,6 +22,6 @@ def test_set_without_equals_names_the_slip(argv, hint, capsys, tmp_path, monkeyp
 
 
 def test_a_well_formed_set_is_untouched():
-    from remoe.experiment import check_set_syntax
+    from remoe.configfile import check_set_syntax
 
     check_set_syntax(None, ["model.num_experts=16", "train.lr=1e-3"])

@@ -68,7 +68,8 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
                               "=VALUE, so that training uses the same cache")
         from pathlib import Path
 
-        from remoe.experiment import config_path, load_config
+        from remoe.configfile import config_path
+        from remoe.experiment import load_config
 
         data = load_config(config_path(args.config, args.overrides), args.overrides).data
         data.cache_dir = str(Path(data.cache_dir).resolve())  # as the trainer resolves it

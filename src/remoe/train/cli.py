@@ -128,7 +128,8 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remoe.experiment import config_path, load_config
+    from remoe.configfile import config_path
+    from remoe.experiment import load_config
 
     # fails fast, before any data (with train.init_from the default file's model: section,
     # the default model, is not an override of the source's)
