@@ -17,12 +17,13 @@ imported only if its class adds checks: :data:`remoe.model.registry.BUILTINS_WIT
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from remoe.model import registry
 from remoe.errors import ConfigError
+from remoe.model import registry
+from remoe.model.checks import (bools, is_int, is_real, need, nonnegative_reals, one_of,
+                                 positive_ints)
 
 #: The built-in values of ``model.router`` (remoe.model.registry; user modules may register more).
 #: ``dense`` and ``dense_wide`` replace the MoE layer by a dense SwiGLU FFN of width ``d_ffn``
@@ -55,43 +56,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def _real(v: Any) -> bool:
-    """A finite int/float that is not a bool (YAML `true` must not pass as 1)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive_ints(obj: Any, names: tuple[str, ...], p: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _need(_int(v) and v >= 1, f"{p}{name}={v!r} must be a positive integer")
-
-
-def _nonnegative_reals(obj: Any, names: tuple[str, ...], p: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _need(_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
-
-
-def _bools(obj: Any, names: tuple[str, ...], p: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        _need(isinstance(v, bool), f"{p}{name}={v!r} must be true or false")
-
-
-def _one_of(obj: Any, name: str, allowed: tuple[str, ...], p: str) -> None:
-    v = getattr(obj, name)
-    _need(v in allowed, f"{p}{name}={v!r} must be one of {', '.join(allowed)}")
-
-
 @dataclass(frozen=True)
 class BackboneConfig:
     """The LLaMA backbone of Table 1 (RMSNorm, RoPE, GQA attention)."""
@@ -111,7 +75,7 @@ class BackboneConfig:
     qk_norm: bool = False  # RMSNorm over the whole q and k projections (OLMoE)
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None and _int(self.hidden_size):
+        if self.ffn_hidden_size is None and is_int(self.hidden_size):
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
 
     @property
@@ -119,21 +83,21 @@ class BackboneConfig:
         return self.hidden_size // self.num_heads
 
     def validate(self, p: str = "model.") -> None:
-        _positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads",
+        positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads",
                               "num_kv_heads", "ffn_hidden_size", "max_position_embeddings"), p)
-        _need(self.hidden_size % self.num_heads == 0,
+        need(self.hidden_size % self.num_heads == 0,
               f"{p}num_heads={self.num_heads} must divide {p}hidden_size={self.hidden_size}")
-        _need(self.num_heads % self.num_kv_heads == 0,
+        need(self.num_heads % self.num_kv_heads == 0,
               f"{p}num_kv_heads={self.num_kv_heads} must divide {p}num_heads={self.num_heads}")
-        _need(self.head_dim % 2 == 0, f"{p}hidden_size/num_heads={self.head_dim} must be even "
+        need(self.head_dim % 2 == 0, f"{p}hidden_size/num_heads={self.head_dim} must be even "
               "(RoPE)")
-        _need(_real(self.rope_theta) and self.rope_theta > 0,
+        need(is_real(self.rope_theta) and self.rope_theta > 0,
               f"{p}rope_theta={self.rope_theta!r} must be > 0")
-        _need(_real(self.rms_norm_eps) and self.rms_norm_eps > 0,
+        need(is_real(self.rms_norm_eps) and self.rms_norm_eps > 0,
               f"{p}rms_norm_eps={self.rms_norm_eps!r} must be > 0")
-        _need(_real(self.init_std) and self.init_std > 0,
+        need(is_real(self.init_std) and self.init_std > 0,
               f"{p}init_std={self.init_std!r} must be > 0")
-        _bools(self, ("attention_bias", "qk_norm"), p)
+        bools(self, ("attention_bias", "qk_norm"), p)
 
 
 @dataclass(frozen=True)
@@ -221,41 +185,41 @@ class RoutingConfig:
         """The section's own checks (the router's hook runs in :meth:`ModelSpec.validate`)."""
         if self.router_module:  # a user's router registers itself on import
             registry.import_modules([self.router_module], f"{p}router_module")
-        _positive_ints(self, ("num_experts", "top_k", "granularity", "lory_segment_len",
+        positive_ints(self, ("num_experts", "top_k", "granularity", "lory_segment_len",
                               "warmup_k", "blockffn_chunk_len"), p)
-        _need(isinstance(self.router, str) and self.router in registry.names(),
+        need(isinstance(self.router, str) and self.router in registry.names(),
               f"{p}router={self.router!r} must be one of {', '.join(registry.names())} (or a "
               "router registered by the module named in model.router_module)")
-        _one_of(self, "reg_type", REG_TYPES, p)
-        _one_of(self, "expert_backend", EXPERT_BACKENDS, p)
-        _need(self.top_k <= self.num_experts,
+        one_of(self, "reg_type", REG_TYPES, p)
+        one_of(self, "expert_backend", EXPERT_BACKENDS, p)
+        need(self.top_k <= self.num_experts,
               f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
-        _nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
+        nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
                                   "blockffn_locality_coeff", "balance_bias_rate"), p)
         # (the router's class is imported, torch with it, only when the option is set)
-        _need(self.balance_bias_rate == 0
+        need(self.balance_bias_rate == 0
               or getattr(registry.resolve(self.router), "balance_offsets", False),
               f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of routers with "
               f"balancing offsets (relu), not {p}router={self.router!r} (topk_auxfree has "
               "bias_update_rate)")
-        _need(_int(self.max_active) and self.max_active >= 0,
+        need(is_int(self.max_active) and self.max_active >= 0,
               f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
-        _need(isinstance(self.topk_normalize, bool),
+        need(isinstance(self.topk_normalize, bool),
               f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
-        _need(_real(self.lb_coeff) and self.lb_coeff >= 0,
+        need(is_real(self.lb_coeff) and self.lb_coeff >= 0,
               f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
-        _need(_real(self.capacity_factor) and self.capacity_factor > 0,
+        need(is_real(self.capacity_factor) and self.capacity_factor > 0,
               f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
-        _need(_int(self.warmup_steps) and self.warmup_steps >= 0,
+        need(is_int(self.warmup_steps) and self.warmup_steps >= 0,
               f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        _need(_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
+        need(is_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
               f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
-        _one_of(self, "lory_first_segment", LORY_FIRST_SEGMENT, p)
-        _bools(self, ("shared_expert_gate",), p)
+        one_of(self, "lory_first_segment", LORY_FIRST_SEGMENT, p)
+        bools(self, ("shared_expert_gate",), p)
         v = self.shared_expert_size
-        _need(_int(v) and v >= 0,
+        need(is_int(v) and v >= 0,
               f"{p}shared_expert_size={v!r} must be an integer >= 0 (0: no shared expert)")
-        _need(v == 0 or registry.is_token_router(self.router),
+        need(v == 0 or registry.is_token_router(self.router),
               f"{p}shared_expert_size={v} needs a token router (an MoE layer), not "
               f"{p}router={self.router!r}")
         if self.router_options is not None:
@@ -289,20 +253,20 @@ class SparsityControlConfig:
     revive_method: str = "hinge"
 
     def validate(self, p: str = "model.") -> None:
-        _need(_real(self.alpha) and self.alpha > 1.0,
+        need(is_real(self.alpha) and self.alpha > 1.0,
               f"{p}alpha={self.alpha!r} must be a finite number > 1")
-        _need(_real(self.lambda0) and self.lambda0 > 0,
+        need(is_real(self.lambda0) and self.lambda0 > 0,
               f"{p}lambda0={self.lambda0!r} must be a positive finite number")
-        _one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
-        _one_of(self, "lambda_update", LAMBDA_UPDATES, p)
-        _one_of(self, "revive_method", REVIVE_METHODS, p)
-        _nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki", "lambda_floor"), p)
-        _need(_int(self.revive_after) and self.revive_after >= 0,
+        one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
+        one_of(self, "lambda_update", LAMBDA_UPDATES, p)
+        one_of(self, "revive_method", REVIVE_METHODS, p)
+        nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki", "lambda_floor"), p)
+        need(is_int(self.revive_after) and self.revive_after >= 0,
               f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")
-        _need(_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
+        need(is_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
               f"{p}revive_below={self.revive_below!r} must be a number in [0, 1) (a share of "
               "the step's tokens)")
-        _need(_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
+        need(is_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
                                             < self.revive_until < 1.0),
               f"{p}revive_until={self.revive_until!r} must be 0 (off) or a share of the step's "
               f"tokens in (revive_below={self.revive_below!r}, 1)")
@@ -339,7 +303,7 @@ def user_options_class(router: Any, router_module: Any = None) -> type | None:
     if opts is not None:
         taken = set(section_fields()) | set(TOKEN_IDS) | {"preset", "moe_top_k"}
         clash = [f.name for f in dataclasses.fields(opts) if f.name in taken]
-        _need(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
+        need(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
               "which is already a model field: rename the option")
     return opts
 
@@ -361,7 +325,7 @@ def _annotation(f: dataclasses.Field) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
 
 
-_OPTION_TYPES = {"int": _int, "float": _real, "bool": lambda v: isinstance(v, bool),
+_OPTION_TYPES = {"int": is_int, "float": is_real, "bool": lambda v: isinstance(v, bool),
                  "str": lambda v: isinstance(v, str)}
 
 
@@ -373,7 +337,7 @@ def _check_options(opts: Any, p: str) -> None:
         if v is None and t.endswith("|None"):
             continue
         ok = _OPTION_TYPES.get(t.removesuffix("|None"))
-        _need(ok is None or ok(v), f"{p}{f.name}={v!r} must be of type {t} (an option of "
+        need(ok is None or ok(v), f"{p}{f.name}={v!r} must be of type {t} (an option of "
               f"{p}router's module)")
     if callable(getattr(opts, "validate", None)):
         opts.validate(p)
@@ -403,7 +367,7 @@ class ModelSpec:
         fields = dict(fields)
         preset = fields.pop("preset", None)
         if preset is not None:
-            _need(preset in PRESETS, f"model.preset={preset!r} must be one of {sorted(PRESETS)}")
+            need(preset in PRESETS, f"model.preset={preset!r} must be one of {sorted(PRESETS)}")
             fields = {**PRESETS[preset], **fields}
         if "moe_top_k" in fields:  # ReMoEConfig's / config.json's name for k
             k = fields.pop("moe_top_k")
@@ -447,6 +411,6 @@ class ModelSpec:
         self.backbone.validate(p)
         self.routing.validate(p)
         g, ffn = self.routing.granularity, self.backbone.ffn_hidden_size
-        _need(ffn % g == 0, f"{p}granularity={g} must divide {p}ffn_hidden_size={ffn}")
+        need(ffn % g == 0, f"{p}granularity={g} must divide {p}ffn_hidden_size={ffn}")
         registry.validate_config(self.routing.router, self, p)
         self.control.validate(p)
