@@ -2,6 +2,8 @@
 
 import pytest
 
+from remoe.errors import ConfigError
+
 from remoe.cli import main
 
 
@@ -24,4 +26,6 @@ def test_set_without_equals_names_the_slip(argv, hint, capsys, tmp_path, monkeyp
 def test_a_well_formed_set_is_untouched():
     from remoe.configfile import check_set_syntax
 
-    check_set_syntax(None, ["model.num_experts=16", "train.lr=1e-3"])
+    assert check_set_syntax(None, ["model.num_experts=16", "train.lr=1e-3"]) is None
+    with pytest.raises(ConfigError, match="did you mean --set train.lr=VALUE"):
+        check_set_syntax(None, ["model.num_experts=16", "train.lr"])

@@ -153,7 +153,7 @@ class _Budget:
         return True
 
 
-def _budget_order(source: BuiltinSource, cands: list) -> list:
+def budget_order(source: BuiltinSource, cands: list) -> list:
     return sorted(cands, key=lambda c: (stable_hash("budget-order", source.domain, c.key), c.key))
 
 
@@ -184,7 +184,7 @@ def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
                     continue
                 used.append(src.name)
                 licences[src.name] = src.licence
-                for cand in _budget_order(src, cands):
+                for cand in budget_order(src, cands):
                     if budget.full(src.domain):
                         break
                     text = cand.load()

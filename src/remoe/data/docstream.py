@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from remoe.data.builtin import BuiltinSource, builtin_sources
-from remoe.data.corpus import SourceSpec, _budget_order, parse_source
+from remoe.data.corpus import SourceSpec, budget_order, parse_source
 from remoe.data.dedup import SeenFingerprints
 from remoe.data.documents import Document
 from remoe.data.userdata import read_user_source
@@ -75,7 +75,7 @@ def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str]
             continue
         found["used"].append(src.name)
         found["licences"].append((src.name, src.licence))
-        for cand in _budget_order(src, cands):
+        for cand in budget_order(src, cands):
             if budget.full(src.domain):
                 break
             text = cand.load()
