@@ -19,7 +19,7 @@ import numpy as np
 
 from remoe.data.errors import DataError
 from remoe.data.shards import unit_name
-from remoe.data.store import Batch, ChunkTable
+from remoe.data.store import Batch, ChunkTable, chunk_table
 
 _HASH_CHUNK_BYTES = 1 << 24
 
@@ -155,18 +155,7 @@ class ShardedStore:
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         if seq_len not in self._chunk_cache:
-            span = seq_len + 1
-            offs, doms = [], []
-            for i, dom in enumerate(self.domains):
-                if dom not in self.domain_ranges:
-                    continue
-                a, b = self.domain_ranges[dom]
-                n = (b - a) // span
-                offs.append(a + span * np.arange(n, dtype=np.int64))
-                doms.append(np.full(n, i, dtype=np.int64))
-            self._chunk_cache[seq_len] = ChunkTable(
-                seq_len, np.concatenate(offs) if offs else np.zeros(0, dtype=np.int64),
-                np.concatenate(doms) if doms else np.zeros(0, dtype=np.int64))
+            self._chunk_cache[seq_len] = chunk_table(self.domains, self.domain_ranges, seq_len)
         return self._chunk_cache[seq_len]
 
     def gather(self, table: ChunkTable, chunk_ids: Iterable[int] | np.ndarray) -> Batch:

@@ -63,6 +63,23 @@ class ChunkTable:
         return np.flatnonzero(self.domain_ids == domain_id)
 
 
+
+
+def chunk_table(domains, domain_ranges: dict, seq_len: int) -> ChunkTable:
+    """Chunks of ``seq_len + 1`` tokens, domain by domain (in ``domains`` order), never crossing a
+    domain: ``domain_ranges[dom] = (first token, end)``."""
+    span = seq_len + 1
+    offs, doms = [], []
+    for i, dom in enumerate(domains):
+        if dom not in domain_ranges:
+            continue
+        a, b = domain_ranges[dom]
+        n = (b - a) // span
+        offs.append(a + span * np.arange(n, dtype=np.int64))
+        doms.append(np.full(n, i, dtype=np.int64))
+    return ChunkTable(seq_len, np.concatenate(offs) if offs else np.zeros(0, dtype=np.int64),
+                      np.concatenate(doms) if doms else np.zeros(0, dtype=np.int64))
+
 class TokenStore:
     """The memory-mapped token arrays of one split (see the module docstring)."""
 
@@ -126,21 +143,7 @@ class TokenStore:
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         if seq_len not in self._chunk_cache:
-            span = seq_len + 1
-            offs, doms = [], []
-            for i, dom in enumerate(self.domains):
-                if dom not in self.domain_ranges:
-                    continue
-                a, b = self.domain_ranges[dom]
-                n = (b - a) // span
-                offs.append(a + span * np.arange(n, dtype=np.int64))
-                doms.append(np.full(n, i, dtype=np.int64))
-            table = ChunkTable(
-                seq_len,
-                np.concatenate(offs) if offs else np.zeros(0, dtype=np.int64),
-                np.concatenate(doms) if doms else np.zeros(0, dtype=np.int64),
-            )
-            self._chunk_cache[seq_len] = table
+            self._chunk_cache[seq_len] = chunk_table(self.domains, self.domain_ranges, seq_len)
         return self._chunk_cache[seq_len]
 
     def gather(self, table: ChunkTable, chunk_ids: Iterable[int] | np.ndarray) -> Batch:
