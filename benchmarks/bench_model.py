@@ -5,7 +5,7 @@
 
 import sys
 
-from remoe.bench.cli import main
+from remoe.lab.bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["--suite", "model", *sys.argv[1:]]))

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from remoe.machine import allocator
-from remoe.bench.common import loadavg, machine_info, spread, time_interleaved
-from remoe.bench.layer import LayerCase, build_rows, step_fn
+from remoe.lab.bench.common import loadavg, machine_info, spread, time_interleaved
+from remoe.lab.bench.layer import LayerCase, build_rows, step_fn
 from remoe.model.fused_cpu import fused_rows
 
 
@@ -96,7 +96,7 @@ def pieces(case: LayerCase, seed: int = 0) -> dict:
 
 def measure(case: LayerCase, reps: int = 5, rounds: int = 3) -> dict:
     """Median CPU ms of each piece over ``rounds`` (each round: ``reps`` calls of every piece,
-    interleaved by :func:`remoe.bench.common.time_interleaved`) and the floor's ratio to
+    interleaved by :func:`remoe.lab.bench.common.time_interleaved`) and the floor's ratio to
     ``dense``: the median of the per-round ratios, with their range."""
     fns = pieces(case)
     per_round = {k: [] for k in fns}

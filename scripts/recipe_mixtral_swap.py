@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--set", f"train.init_from={mixtral}", "--set", f"run.name={name}"],
                    check=True)
 
-    from remoe.study.archive import export_run
-    from remoe.study.continued import continued_row
+    from remoe.lab.study.archive import export_run
+    from remoe.lab.study.continued import continued_row
 
     run = ref.parent / name
     export_run(run, Path(args.results) / name)

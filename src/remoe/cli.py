@@ -17,10 +17,10 @@ COMMANDS = {
     "data": ("remoe.data.cli", "build the corpus, tokenizer and token cache"),
     "train": ("remoe.train.cli", "train a model from a YAML config (with --set overrides)"),
     "eval": ("remoe.eval.cli", "validation loss per domain and zero-shot tasks via lm-eval"),
-    "analyze": ("remoe.analysis.cli", "the paper's analyses of a run: stages, sparsity, flips, routing"),
-    "report": ("remoe.analysis.report_cli", "an HTML report of one or several runs"),
-    "bench": ("remoe.bench.cli", "layer / model / machine benchmarks (table + JSON)"),
-    "study": ("remoe.study.cli", "a resumable grid of training runs from one YAML, with tables"),
+    "analyze": ("remoe.lab.analysis.cli", "the paper's analyses of a run: stages, sparsity, flips, routing"),
+    "report": ("remoe.lab.analysis.report_cli", "an HTML report of one or several runs"),
+    "bench": ("remoe.lab.bench.cli", "layer / model / machine benchmarks (table + JSON)"),
+    "study": ("remoe.lab.study.cli", "a resumable grid of training runs from one YAML, with tables"),
     "convert": ("remoe.convert.cli", "upcycle a dense model, import a Mixtral, export to Mixtral"),
 }
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from remoe.analysis.cli import parse_items
-from remoe.analysis.flips import flip_series
-from remoe.analysis.runlog import Run
+from remoe.lab.analysis.cli import parse_items
+from remoe.lab.analysis.flips import flip_series
+from remoe.lab.analysis.runlog import Run
 from remoe.errors import ConfigError
 
 
@@ -43,8 +43,8 @@ def assert_png(path, min_width=600):
 def test_commands_are_wired():
     from remoe.cli import COMMANDS
 
-    assert COMMANDS["analyze"][0] == "remoe.analysis.cli"
-    assert COMMANDS["report"][0] == "remoe.analysis.report_cli"
+    assert COMMANDS["analyze"][0] == "remoe.lab.analysis.cli"
+    assert COMMANDS["report"][0] == "remoe.lab.analysis.report_cli"
 
 
 def test_parse_items():
@@ -112,7 +112,7 @@ def test_analyze_all(remoe_run, eval_npz, synth, capsys):
 
 
 def test_routing_stats_are_cached(remoe_run, eval_npz, tmp_path):
-    from remoe.analysis.analyze import Options, routing_stats
+    from remoe.lab.analysis.analyze import Options, routing_stats
 
     cache = tmp_path / "routing_stats.npz"
     opts = Options(data=str(eval_npz))
@@ -190,7 +190,7 @@ def test_misspelt_analysis_is_named(remoe_run, capsys):
 
 def _capture_figures(monkeypatch):
     """Record every figure the analyses save: file name -> all its texts."""
-    from remoe.analysis import plots
+    from remoe.lab.analysis import plots
 
     texts: dict[str, str] = {}
     real = plots.save_png
@@ -230,7 +230,7 @@ def test_figures_say_which_layers_and_statistic(remoe_run, eval_npz, tmp_path, m
 
 
 def test_allocation_annotation_is_outside_the_data():
-    from remoe.analysis.plots import fig_token_allocation
+    from remoe.lab.analysis.plots import fig_token_allocation
 
     n = 60
     table = {"token_id": np.arange(n), "mean_active": np.linspace(3, 1, n),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remoe.analysis.flips import flip_rate, flip_series, layer_flip_rates
-from remoe.analysis.runlog import load_masks
+from remoe.lab.analysis.flips import flip_rate, flip_series, layer_flip_rates
+from remoe.lab.analysis.runlog import load_masks
 
 
 def _masks(L=2, T=16, N=12, seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from remoe import ReMoEConfig, ReMoEForCausalLM
-from remoe.analysis.gates import gate_stats
+from remoe.lab.analysis.gates import gate_stats
 
 
 def _stats(**kw):

@@ -29,7 +29,7 @@ def test_a_later_analysis_keeps_the_earlier_numbers(topk_run, tmp_path, capsys):
 
 
 def test_a_skip_never_replaces_a_result():
-    from remoe.analysis.analyze import merge_previous
+    from remoe.lab.analysis.analyze import merge_previous
 
     prev = {"run": "r", "stages": {"files": ["stages.json"], "settle_step": 61}, "skipped": {}}
     now = {"run": "r", "skipped": {"stages": "no metrics"}, "fingerprint": "x"}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from remoe.analysis.report import fmt, table, zero_shot
-from remoe.analysis.runlog import Run
+from remoe.lab.analysis.report import fmt, table, zero_shot
+from remoe.lab.analysis.runlog import Run
 
 
 def _run(tmp_path, results) -> Run:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remoe import ReMoEConfig, ReMoEForCausalLM
-from remoe.analysis.routing import (RoutingStats, collect_routing_stats, default_layers,
+from remoe.lab.analysis.routing import (RoutingStats, collect_routing_stats, default_layers,
                                     spearman)
 
 N = 4

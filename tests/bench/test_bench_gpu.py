@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remoe.bench import cli, gpu
+from remoe.lab.bench import cli, gpu
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from remoe.bench import cli
+from remoe.lab.bench import cli
 
 
 def test_quick_all_suites_write_expected_json(tmp_path, capfd):

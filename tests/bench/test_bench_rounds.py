@@ -3,7 +3,7 @@ load recorded per measurement (in-process runner: no timing assertions)."""
 
 from __future__ import annotations
 
-from remoe.bench import common, layer
+from remoe.lab.bench import common, layer
 
 
 def test_rounds_rotate_rows_and_pair_ratios():

@@ -6,8 +6,8 @@ pyyaml, but not zstandard or lm-eval, and nothing can be installed there; the pr
 ``PYTHONPATH=src`` (``scripts/gpu_check.sh``). A subprocess gets a ``sitecustomize`` (first on
 its ``PYTHONPATH``) that takes the installed checkout off ``sys.path``, answers "not installed"
 for the project's distribution metadata, and puts a finder first on ``sys.meta_path`` that
-refuses the two packages. In it: the GPU suite's CPU path (``remoe.bench.gpu.run_suite``), the
-check's stages (``remoe.bench.gpu_check.run_check``, compiled rows on dynamo's ``eager``
+refuses the two packages. In it: the GPU suite's CPU path (``remoe.lab.bench.gpu.run_suite``), the
+check's stages (``remoe.lab.bench.gpu_check.run_check``, compiled rows on dynamo's ``eager``
 backend), and both commands' one line without CUDA. An optional import that sneaks onto this
 path fails here, not on the device's clock.
 """
@@ -89,7 +89,7 @@ SCRIPT = textwrap.dedent('''
     import remoe
     assert os.path.realpath(remoe.__file__).startswith(os.path.realpath({copy!r})), remoe.__file__
     torch.set_num_threads(1)
-    from remoe.bench import cli, gpu, gpu_check
+    from remoe.lab.bench import cli, gpu, gpu_check
 
     out = Path(sys.argv[1])
     res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,

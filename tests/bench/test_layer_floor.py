@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from remoe.bench.layer import LayerCase
+from remoe.lab.bench.layer import LayerCase
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "layer_floor.py"
 

@@ -163,7 +163,7 @@ def test_grouped_mm_layer_equals_the_cpu_default():
 
 @pytest.mark.parametrize("router", ["dense", "topk", "topk_auxfree", "relu", "blockffn"])
 def test_training_step_syncs(router):
-    from remoe.bench.syncs import count_step_syncs
+    from remoe.lab.bench.syncs import count_step_syncs
 
     res = count_step_syncs(router, grad_accum=2)
     msg = "\n".join(res["report"])
@@ -174,7 +174,7 @@ def test_training_step_syncs(router):
 
 
 def test_training_step_syncs_with_per_layer_lambdas_and_revival():
-    from remoe.bench.syncs import count_step_syncs
+    from remoe.lab.bench.syncs import count_step_syncs
 
     res = count_step_syncs("relu", grad_accum=1,
                            extra=["model.sparsity_control=per_layer", "model.max_active=2",

@@ -1,7 +1,7 @@
 """remoe bench --suite scale: the harness (torchrun worker, metrics, per-rank peak RSS) on one
 process with a micro model; the 2- and 4-process layouts are exercised by test_fsdp_train."""
 
-from remoe.bench.scale import LAYOUTS, run_scale
+from remoe.lab.bench.scale import LAYOUTS, run_scale
 
 
 def test_scale_rows(micro_data_cfg):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from remoe.bench.memory_plan import STATE_BYTES, param_counts, per_gpu, plan_rows
+from remoe.lab.bench.memory_plan import STATE_BYTES, param_counts, per_gpu, plan_rows
 from remoe.model.config import ReMoEConfig
 from remoe.model import ReMoEForCausalLM
 

@@ -1,4 +1,4 @@
-"""Learning curves (remoe.study.curves) and committed run copies (remoe.study.archive): curve
+"""Learning curves (remoe.lab.study.curves) and committed run copies (remoe.lab.study.archive): curve
 extraction, the crossover rule, and rebuilding every table and figure from the committed
 copies alone, with the run directories (checkpoints included) gone."""
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.study.curves import Curve, crossover, label_curve, run_curve
-from remoe.study.runner import Study
-from remoe.study.spec import load_spec
+from remoe.lab.study.curves import Curve, crossover, label_curve, run_curve
+from remoe.lab.study.runner import Study
+from remoe.lab.study.spec import load_spec
 
 STUB = Path(__file__).with_name("stub_train.py")
 
@@ -92,7 +92,7 @@ def _stub(config_path, flags):
 
 
 def _results_only(spec, out):
-    from remoe.study.cli import run
+    from remoe.lab.study.cli import run
 
     return run(argparse.Namespace(spec=str(spec), dry_run=False, jobs=1, out=str(out), only=None,
                                   reuse=(), results_only=True, no_report=True, gflops=None))
@@ -145,7 +145,7 @@ def test_results_key_must_be_a_path(write_spec):
 
 
 def test_overtime_windows_read_lambda_share_layers_and_dead_experts(tmp_path):
-    from remoe.study.overtime import windows
+    from remoe.lab.study.overtime import windows
 
     d = tmp_path / "r"
     d.mkdir()
@@ -253,8 +253,8 @@ def _write_masks(routing: Path, steps, rng) -> None:
 
 
 def test_a_committed_copy_keeps_its_masks_in_one_archive_read_like_the_loose_files(tmp_path):
-    from remoe.analysis.runlog import Run, load_masks
-    from remoe.study.archive import export_run, pack_committed
+    from remoe.lab.analysis.runlog import Run, load_masks
+    from remoe.lab.study.archive import export_run, pack_committed
 
     run = tmp_path / "run"
     _write_run(run, [(10, 4.0)])

@@ -1,4 +1,4 @@
-"""``remoe study --dry-run``'s cost model (remoe.study.estimate) against real micro runs."""
+"""``remoe study --dry-run``'s cost model (remoe.lab.study.estimate) against real micro runs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from remoe.cli import main
-from remoe.study import estimate
-from remoe.study.cli import dry_run
-from remoe.study.runner import Study
-from remoe.study.spec import load_spec
+from remoe.lab.study import estimate
+from remoe.lab.study.cli import dry_run
+from remoe.lab.study.runner import Study
+from remoe.lab.study.spec import load_spec
 
 BASE = {"model": {"preset": "micro", "num_experts": 4},
         "train": {"seq_len": 32, "micro_batch_size": 2, "max_steps": 4, "warmup_steps": 1,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
-from remoe.study.results import inactive_floor, lambda_amplitude, mean_std, write_results
-from remoe.study.runconfig import apply_stop
-from remoe.study.spec import load_spec
+from remoe.lab.study.results import inactive_floor, lambda_amplitude, mean_std, write_results
+from remoe.lab.study.runconfig import apply_stop
+from remoe.lab.study.spec import load_spec
 
 
 def _fake_run(runs_dir, run, val, domains, metrics=None):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.study.runner import Study, cores
-from remoe.study.spec import load_spec
+from remoe.lab.study.runner import Study, cores
+from remoe.lab.study.spec import load_spec
 
 
 STUB = Path(__file__).with_name("stub_train.py")
@@ -123,8 +123,8 @@ def test_changed_config_of_a_finished_run_is_refused(write_spec, tmp_path):
 
 DRIVER = """
 import sys
-from remoe.study.runner import Study
-from remoe.study.spec import load_spec
+from remoe.lab.study.runner import Study
+from remoe.lab.study.spec import load_spec
 def stub_command(config_path, flags):
     return [sys.executable, {stub!r}, str(config_path), *flags]
 Study(load_spec({spec!r}), {out!r}, jobs=2, command=stub_command).run(poll_s=0.02)
@@ -174,7 +174,7 @@ def test_kill_9_mid_study_then_rerun_resumes(write_spec, tmp_path):
 
 
 def test_only_selects_runs_and_their_flops_reference(write_spec, tmp_path):
-    from remoe.study.cli import _select
+    from remoe.lab.study.cli import _select
 
     spec = load_spec(write_spec({"groups": [
         {"name": "g", "grid": {"model.router": ["topk", "relu"]}},
@@ -194,7 +194,7 @@ def stub_eval_command(run_dir, tasks, limit, loss=False):
 
 
 def test_eval_section_evaluates_each_trained_run_once(write_spec, tmp_path, monkeypatch):
-    from remoe.study.results import write_results
+    from remoe.lab.study.results import write_results
 
     groups = [{"name": "g", "grid": {"model.router": ["topk", "relu"]}}]
     plain = write_spec({"seeds": [0, 1], "groups": groups}, name="plain.yaml")
@@ -247,7 +247,7 @@ def test_reuse_takes_identical_finished_runs_from_another_study(write_spec, tmp_
             "model.router": "dense"}}], "match_flops_of": "relu-E4", "seeds": [0]}]},
         name="b.yaml")
     b_out = tmp_path / "b"
-    from remoe.study.cli import dry_run
+    from remoe.lab.study.cli import dry_run
 
     lines = []
     dry_run(_study(b_spec, b_out, reuse=(a_out,)), log=lines.append, gflops=50.0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.study.runconfig import apply_stop
-from remoe.study.spec import auto_label, load_spec
+from remoe.lab.study.runconfig import apply_stop
+from remoe.lab.study.spec import auto_label, load_spec
 
 
 def test_grid_expansion_names_and_overrides(write_spec, tmp_path):
@@ -151,7 +151,7 @@ def test_match_flops_cycle_is_an_error(write_spec):
 
 def test_eval_section_and_train_config_errors(write_spec, tmp_path):
     from remoe.errors import ConfigError
-    from remoe.study.spec import load_spec
+    from remoe.lab.study.spec import load_spec
 
     g = [{"name": "g", "runs": [{"label": "a"}]}]
     assert load_spec(write_spec({"groups": g, "eval": {"tasks": "builtin", "limit": 5}})).eval_limit == 5
@@ -172,7 +172,7 @@ def test_every_shipped_spec_expands_into_valid_runs():
     validate every run's config, so a doc's regenerating command cannot fail on its spec."""
     from pathlib import Path
 
-    from remoe.study.spec import load_spec
+    from remoe.lab.study.spec import load_spec
 
     specs = sorted((Path(__file__).resolve().parents[2] / "configs" / "study").glob("*.yaml"))
     specs = [p for p in specs if p.name != "backbone.yaml"]  # a base config, not a spec

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from remoe.bench.syncs import SyntheticData, close_trainer, step_config
+from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
 from remoe.errors import ConfigError
 from remoe.experiment import load_config
 from remoe.train import compile as compiling

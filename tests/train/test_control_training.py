@@ -119,8 +119,8 @@ def test_balance_bias_identical_on_two_ranks(one_vs_two_ranks, tmp_path):
 
 
 def test_analyze_stages_draws_and_measures_each_layers_lambda(make_overrides, tmp_path):
-    from remoe.analysis.analyze import Options, analyze_stages
-    from remoe.analysis.runlog import Run
+    from remoe.lab.analysis.analyze import Options, analyze_stages
+    from remoe.lab.analysis.runlog import Run
 
     Trainer(load_config(None, make_overrides(tmp_path, "a", **OPTIONS)), progress=False).train()
     out = tmp_path / "analysis"

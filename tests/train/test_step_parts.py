@@ -36,7 +36,7 @@ def test_step_statistics_match_the_forward_and_bench():
     st = step_statistics(aux.active_counts_LN, aux.num_tokens)
     assert st.sparsity == float(aux.sparsity)
     assert st.layer_sparsity == aux.layer_sparsity.tolist()
-    from remoe.bench.model import _sparsity
+    from remoe.lab.bench.model import _sparsity
 
     assert _sparsity(SimpleNamespace(aux=aux)) == st.sparsity
 

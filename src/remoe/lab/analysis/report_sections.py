@@ -1,0 +1,233 @@
+"""The sections of ``remoe report``: the comparison of all runs and one section per run."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from remoe.lab.analysis import plots
+from remoe.lab.analysis.report_facts import (adaptive_lambda, eval_loss, final_eval, final_lambda,
+                                         last_lm_loss, last_value, model_facts, val_label,
+                                         zero_shot)
+from remoe.lab.analysis.report_html import esc, fmt, img, table
+from remoe.lab.analysis.runlog import Run
+
+
+def settling_cell(router: str | None, st: dict):
+    """Settling time for the tables: n/a where the router fixes the sparsity by construction
+    (no adaptive lambda: TopK, Hash, ...), as in the training summary."""
+    if not adaptive_lambda(router):
+        return "n/a (sparsity fixed by the router)"
+    return st.get("settling_time")
+
+
+def comparison_section(runs: list[Run], names: list[str], results: list[dict],
+                       outs: list[Path]) -> str:
+    parts = ['<h2 id="compare">Comparison</h2>']
+    rows = []
+    for run, name, res in zip(runs, names, results):
+        f = model_facts(run)
+        ev = final_eval(run)
+        st, sp, fl, sc = (res.get(k) or {} for k in ("stages", "sparsity", "flips",
+                                                      "specialization"))
+        rows.append([esc(name), esc(f["router"]), f["E"], f["k"], f["G"], f["params_total"],
+                     f["params_active"], int(run.metrics.steps[-1]) if len(run.metrics) else None,
+                     last_value(run, "tokens"), last_value(run, "flops"), last_lm_loss(run),
+                     ev.get("val_loss") if ev else None, (eval_loss(run) or (None,))[0],
+                     settling_cell(f["router"], st), sp.get("mean"), fl.get("mean_flip_rate"),
+                     sc.get("index")])
+    parts.append(table(["run", "router", "E", "k", "G", "params", "active params", "steps",
+                        "tokens", "FLOPs", "train LM loss (last 20)",
+                        "val loss (training: capped sequences per domain)",
+                        "held-out loss (remoe eval)", "settling time", "sparsity (mean)",
+                        "flip rate (mean)", "specialisation index"], rows, left=2,
+                       best={10: "min", 11: "min", 12: "min"}))
+    parts.append('<p class="note">Two validation losses: the training log\'s is computed on '
+                 '<code>train.eval_chunks_per_domain</code> sequences per domain (fast, every '
+                 '<code>train.eval_every</code> steps); <code>remoe eval RUN</code> computes it '
+                 'on the whole split (written to RUN/eval_results.json).</p>')
+
+    curves = {n: (r.metrics.steps, r.metrics["lm_loss"]) for r, n in zip(runs, names)
+              if len(r.metrics)}
+    evals_step = {n: ([e["step"] for e in r.evals], [e.get("val_loss") for e in r.evals])
+                  for r, n in zip(runs, names) if r.evals}
+    if curves:
+        parts.append(img(plots.png_bytes(plots.fig_curves(
+            curves, "step", "LM loss", "training LM loss vs step", evals=evals_step)),
+            "Training LM loss (faint: every step; bold: trailing mean); squares: validation loss."))
+        flops = {n: (r.metrics["flops"], r.metrics["lm_loss"]) for r, n in zip(runs, names)
+                 if r.metrics.has("flops")}
+        if flops:
+            evals_flops = {}
+            for r, n in zip(runs, names):
+                if r.evals and r.metrics.has("flops"):
+                    fx = np.interp([e["step"] for e in r.evals], r.metrics.steps,
+                                   r.metrics["flops"])
+                    evals_flops[n] = (fx, [e.get("val_loss") for e in r.evals])
+            parts.append(img(plots.png_bytes(plots.fig_curves(
+                flops, "training FLOPs (active experts counted)", "LM loss",
+                "training LM loss vs FLOPs", evals=evals_flops)),
+                "Training LM loss against cumulative training FLOPs."))
+
+    domains = sorted({d for r in runs for d in ((final_eval(r) or {}).get("domains") or {})})
+    if domains:
+        drows = []
+        for r, n in zip(runs, names):
+            ev = final_eval(r) or {}
+            dl = ev.get("domains") or {}
+            drows.append([esc(n), ev.get("step")] + [dl.get(d) for d in domains]
+                         + [ev.get("val_loss")])
+        parts.append("<h3>Validation loss per domain (last evaluation during training: "
+                     "capped sequences per domain)</h3>")
+        parts.append(table(["run", "step"] + domains + ["all"], drows, left=1,
+                           best={i: "min" for i in range(2, len(domains) + 3)}))
+
+    flips = {n: _flips_csv(o / "flips.csv", res["flips"]["num_experts"])
+             for n, res, o in zip(names, results, outs)
+             if res.get("flips") and (o / "flips.csv").is_file()}
+    if len(flips) >= 2:  # one run: its own section shows its flips.png
+        parts.append("<h3>Routing stability</h3>")
+        parts.append(img(plots.png_bytes(plots.fig_flips(flips, "flip rate and flip count")),
+                         "Flip rate between consecutive recorded masks of the fixed calibration "
+                         "set (Appendix A); flip count = N × flip rate."))
+
+    zs = {}
+    for r, n in zip(runs, names):
+        for model, row in zero_shot(r).items():
+            if zs.get(model, row) != row:  # another run's file has a different result
+                model = f"{model} (eval_results of {n})"
+            zs[model] = row
+    parts.append("<h3>Zero-shot accuracy</h3>")
+    if zs:
+        tasks = sorted({t for row in zs.values() for t in row})
+        zrows = []
+        for model, row in zs.items():
+            have = [row[t] for t in tasks if t in row]
+            zrows.append([esc(model)] + [row.get(t) for t in tasks]
+                         + [sum(have) / len(have) if have else None])
+        parts.append(table(["model"] + tasks + ["Avg."], zrows, left=1,
+                           best={i: "max" for i in range(1, len(tasks) + 2)}, digits=2))
+        parts.append('<p class="note">Accuracy in % (from each run\'s eval_results.json).</p>')
+    else:
+        parts.append('<p class="note">No zero-shot results in these runs\' '
+                     'eval_results.json (write them with <code>remoe eval RUN</code>).</p>')
+    return "\n".join(parts)
+
+
+def _flips_csv(path: Path, num_experts: int) -> tuple[list[int], list[float], int]:
+    """(steps, flip rates, N) from an analysis' ``flips.csv``."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [int(r["step"]) for r in rows], [float(r["flip_rate"]) for r in rows], num_experts
+
+
+FIGURES = [  # (analysis, file, caption)
+    ("stages", "stages.png", "Three-stage training (Fig. 4): sparsity, λ and L_reg, L_lm and "
+                             "λ·L_reg; shading: stages I (dense), II (sparsifying), "
+                             "III (stable)."),
+    ("sparsity", "sparsity.png", "Sparsity at every step with mean ± std after warm-up (Fig. 3)."),
+    ("sparsity", "layer_sparsity.png", "Sparsity of each layer (Fig. 7d)."),
+    ("flips", "flips.png", "Flip rate and flip count (Appendix A)."),
+    ("heatmap", "routed_ratio.png", "Average routed tokens ratio per layer and expert (Fig. 7b/c);"
+                                    " hatched: inactive experts (< 1/64 of tokens)."),
+    ("specialization", "specialization.png", "Routed tokens ratio per domain (Fig. 8)."),
+    ("allocation", "allocation_domains.png", "Mean active experts per domain and layer (App. H)."),
+    ("allocation", "allocation_tokens.png", "Mean active experts vs token frequency (Fig. 6)."),
+]
+
+
+def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
+    parts = [f'<h2 id="{anchor}">Run: {esc(name)}</h2>',
+             f'<p class="note">{esc(run.path.resolve())}</p>']
+    f = model_facts(run)
+    ev = final_eval(run)
+    st = res.get("stages") or {}
+    sp = res.get("sparsity") or {}
+    facts = [("router", esc(f["router"])),
+             ("E, k, G", ", ".join(fmt(f[x]) for x in ("E", "k", "G"))),
+             ("parameters (total / active)",
+              f"{fmt(f['params_total'])} / {fmt(f['params_active'])}"),
+             ("steps / tokens", f"{fmt(int(run.metrics.steps[-1]) if len(run.metrics) else None)}"
+                                f" / {fmt(last_value(run, 'tokens'))}"),
+             ("final train LM loss (mean of last 20 steps)", fmt(last_lm_loss(run))),
+             (f"final {val_label(run)} loss", fmt(ev.get("val_loss")) if ev else "–")]
+    el = eval_loss(run)
+    if el is not None:
+        facts.append((f"held-out loss: {el[1]}", fmt(el[0])))
+    nxt, used = final_lambda(run)
+    if not adaptive_lambda(f["router"]):
+        facts.append(("final λ", "– (no adaptive λ for this router)"))
+    elif nxt is not None:
+        facts.append(("final λ (after the last update: the next step's, as in the training "
+                      "summary)", f"{fmt(nxt)} (used in the last step: {fmt(used)})"))
+    else:
+        facts.append(("final λ (used in the last step)", fmt(used)))
+    facts.append(("final sparsity / target", f"{fmt(last_value(run, 'sparsity'))} / "
+                                             f"{fmt(run.target_sparsity)}"
+                  if run.target_sparsity is not None else "– (no routed experts)"))
+    if sp:
+        facts.append((f"sparsity after step {sp['skip_steps']} (mean ± std)",
+                      f"{fmt(sp.get('mean'))} ± {fmt(sp.get('std'))}"))
+    if st and not adaptive_lambda(f["router"]):
+        facts.append(("settling time (stages I+II)", settling_cell(f["router"], st)))
+    elif st:
+        ends = [st["first_step"], st["stage2_start"], st["settle_step"]]
+        facts.append(("stages", f"I: {_span(ends[0], ends[1])}, II: {_span(ends[1], ends[2])}, "
+                                f"III: " + (f"from step {ends[2]}" if ends[2] is not None
+                                            else "not reached")))
+        facts.append(("settling time (stages I+II)",
+                      f"{fmt(st['settling_time'])} steps (smoothed sparsity in the band "
+                      f"±{st['tol']:g} from the settling step to the end, at least "
+                      f"{st['window']} steps)"))
+    sc = res.get("specialization")
+    if sc:
+        facts.append(("specialisation index / domain–expert MI",
+                      f"{fmt(sc['index'])} / {fmt(sc['mi_bits'])} bits"))
+    hm = res.get("heatmap")
+    if hm:
+        facts.append(("mean active experts per token (eval)", fmt(hm["mean_active_experts"])))
+        facts.append(("inactive experts (< 1/64 tokens)", fmt(hm["num_inactive"])))
+    al = res.get("allocation")
+    if al and al.get("spearman_freq_active") is not None:
+        facts.append(("Spearman(token frequency, active experts)",
+                      fmt(al["spearman_freq_active"], 3)))
+    parts.append(table(["quantity", "value"], [[esc(k), v] for k, v in facts], left=2))
+
+    if run.evals and (run.evals[-1].get("domains") or len(run.evals) > 1):
+        doms = sorted({d for e in run.evals for d in (e.get("domains") or {})})
+        rows = [[e.get("step"), e.get("tokens")] + [(e.get("domains") or {}).get(d) for d in doms]
+                + [e.get("val_loss")] for e in run.evals]
+        parts.append(f"<h3>Validation loss per domain ({esc(val_label(run))})</h3>")
+        parts.append(table(["step", "tokens"] + doms + ["all"], rows, left=0))
+
+    for analysis, file, caption in FIGURES:
+        p = out / file
+        if analysis in res and p.is_file():
+            parts.append(img(p, caption))
+    al = res.get("allocation")
+    if al:
+        for rel in al.get("files", []):
+            if rel.startswith("top_tokens_layer") and rel.endswith(".png") \
+                    and (out / rel).is_file():
+                parts.append(img(out / rel, "Tokens over-represented among each expert's "
+                                            "tokens (Table 10): share of the expert's tokens "
+                                            "and lift over the token's base frequency."))
+    if res.get("skipped"):
+        parts.append('<p class="note">Not available: ' + "; ".join(
+            f"{esc(k)} ({esc(v)})" for k, v in res["skipped"].items()) + "</p>")
+    if run.config:
+        parts.append("<details><summary>config.yaml</summary><pre>"
+                     + esc(yaml.safe_dump(run.config, sort_keys=False)) + "</pre></details>")
+    return "\n".join(parts)
+
+
+def _span(a: int | None, b: int | None) -> str:
+    """Steps [a, b) as text (b None: to the end of the log)."""
+    if a is None:
+        return "not reached"
+    if b is None:
+        return f"from step {a}"
+    return f"steps {a}–{b - 1}" if b > a else "empty"

@@ -1,0 +1,261 @@
+"""Reading a run directory (the layout of docs/ARCHITECTURE.md) for the analyses and the report.
+
+Everything is read lazily and cached on the :class:`Run`: ``metrics.jsonl`` as column arrays,
+``eval.jsonl``, ``config.yaml``, ``summary.json``, ``eval_results.json`` and the
+``routing/masks_<step>.npz`` series (or their ``routing.zip`` archive). A truncated last JSONL line (a run still writing) is
+skipped; when a resumed run logged a step twice the last record of that step wins.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import zipfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from remoe.errors import ConfigError
+
+MASK_FILE = re.compile(r"^masks_(\d+)\.npz$")
+#: a committed study copy keeps its mask files in this one archive (stored, not recompressed)
+ROUTING_ARCHIVE = "routing.zip"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file (missing file: []; ``*.gz``: gzip-compressed, as the committed
+    copies of study runs keep ``metrics.jsonl``); a line that does not parse is skipped."""
+    if not path.is_file():
+        return []
+    if path.suffix == ".gz":
+        import gzip
+
+        try:
+            text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        except (OSError, EOFError):
+            return []
+    else:
+        text = path.read_text()
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per ``step`` (the last written), sorted by step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if "step" in r:
+            by_step[int(r["step"])] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _column(records: list[dict[str, Any]], key: str) -> np.ndarray:
+    """float64 column (NaN where a record lacks the key or holds null)."""
+    vals = []
+    for r in records:
+        v = r.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        vals.append(float(v) if ok else math.nan)
+    return np.asarray(vals, dtype=np.float64)
+
+
+class Metrics:
+    """``metrics.jsonl`` as columns: ``m["sparsity"]`` is a float array aligned with ``m.steps``."""
+
+    SCALARS = ("tokens", "flops", "lr", "loss", "lm_loss", "reg_loss", "aux_loss", "lambda",
+               "sparsity", "step_tokens", "grad_norm", "tokens_per_s", "elapsed_s", "active_k")
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = last_per_step(records)
+        self.steps = np.asarray([int(r["step"]) for r in self.records], dtype=np.int64)
+        self._cols: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._cols:
+            self._cols[key] = _column(self.records, key)
+        return self._cols[key]
+
+    def has(self, key: str) -> bool:
+        return bool(np.isfinite(self[key]).any()) if len(self) else False
+
+    def layer_sparsity(self) -> np.ndarray:
+        """[steps, L] per-layer sparsity (NaN rows where missing); [steps, 0] if never logged."""
+        return self.per_layer("layer_sparsity")
+
+    def per_layer(self, key: str) -> np.ndarray:
+        """[steps, L] of a per-layer list column (``layer_sparsity``, ``lambda_layers``,
+        ``dead_experts``, ...): NaN rows where missing; [steps, 0] if never logged."""
+        rows = [r.get(key) for r in self.records]
+        L = max((len(x) for x in rows if isinstance(x, list)), default=0)
+        out = np.full((len(rows), L), np.nan)
+        for i, x in enumerate(rows):
+            if isinstance(x, list) and len(x) == L:
+                out[i] = x
+        return out
+
+
+class Run:
+    """A run directory written by ``remoe train``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"run={str(self.path)!r} is not a directory")
+        if not any((self.path / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz",
+                                                        "config.yaml", "final", "checkpoints",
+                                                        "routing", ROUTING_ARCHIVE)):
+            raise ConfigError(f"run={str(self.path)!r} holds no run (expected metrics.jsonl, "
+                              "config.yaml, final/, checkpoints/ or routing/)")
+
+    @property
+    def name(self) -> str:
+        cfg = self.config.get("run", {}) if isinstance(self.config, dict) else {}
+        return str(cfg.get("name") or self.path.resolve().name)
+
+    @cached_property
+    def metrics(self) -> Metrics:
+        plain = self.path / "metrics.jsonl"
+        # a committed study run keeps it compressed (remoe.lab.study.archive)
+        return Metrics(read_jsonl(plain if plain.is_file() else self.path / "metrics.jsonl.gz"))
+
+    @cached_property
+    def evals(self) -> list[dict[str, Any]]:
+        return last_per_step(read_jsonl(self.path / "eval.jsonl"))
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        p = self.path / "config.yaml"
+        if not p.is_file():
+            return {}
+        try:
+            cfg = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError:
+            return {}
+        return cfg if isinstance(cfg, dict) else {}
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        return _read_json(self.path / "summary.json") or {}
+
+    @cached_property
+    def eval_results(self) -> dict[str, Any] | None:
+        """``eval_results.json`` (``remoe eval --out``), or None."""
+        return _read_json(self.path / "eval_results.json")
+
+    @cached_property
+    def model_config(self):
+        """The run's :class:`ReMoEConfig`: from a saved ``config.json`` (final/ or the latest
+        checkpoint), else rebuilt from ``config.yaml``'s model section; None if neither."""
+        from remoe.model.config import ReMoEConfig
+        from remoe.rundir.loading import resolve_model_dir
+
+        try:
+            return ReMoEConfig.from_pretrained(resolve_model_dir(self.path))
+        except (ConfigError, OSError, ValueError):
+            pass
+        fields = dict(self.config.get("model") or {})
+        if not fields:
+            return None
+        try:
+            return ReMoEConfig(**fields)  # a preset key is expanded by the model spec
+        except (ConfigError, TypeError):
+            return None
+
+    @property
+    def target_sparsity(self) -> float | None:
+        """1 - k/E (None for a dense model or when the config is unknown)."""
+        t = self.summary.get("target_sparsity")
+        if isinstance(t, (int, float)):
+            return float(t)
+        cfg = self.model_config
+        if cfg is None or not cfg.is_moe:
+            return None
+        return float(cfg.target_sparsity)
+
+    @property
+    def router(self) -> str:
+        cfg = self.model_config
+        return str(cfg.router) if cfg is not None else str(self.summary.get("router", "?"))
+
+    def seq_len(self, default: int = 256) -> int:
+        return int((self.config.get("train") or {}).get("seq_len") or default)
+
+    def mask_files(self) -> list[tuple[int, "MaskFile"]]:
+        """``(step, MaskFile)`` of every recorded routing mask, by step: the loose
+        ``routing/masks_<step>.npz`` files of a run directory, or the members of the single
+        ``routing.zip`` archive of a committed study copy (:mod:`remoe.lab.study.archive`)."""
+        out = []
+        d = self.path / "routing"
+        if d.is_dir():
+            for p in d.iterdir():
+                m = MASK_FILE.match(p.name)
+                if m:
+                    out.append((int(m.group(1)), MaskFile(p)))
+        packed = self.path / ROUTING_ARCHIVE
+        if not out and packed.is_file():
+            with zipfile.ZipFile(packed) as z:
+                for info in z.infolist():
+                    m = MASK_FILE.match(info.filename)
+                    if m:
+                        out.append((int(m.group(1)), MaskFile(packed, info.filename,
+                                                              info.file_size)))
+        return sorted(out, key=lambda sm: sm[0])
+
+
+@dataclass(frozen=True)
+class MaskFile:
+    """One recorded ``masks_<step>.npz``: a file, or a ``member`` of a ``routing.zip``."""
+
+    path: Path
+    member: str | None = None
+    member_size: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.member_size if self.member else self.path.stat().st_size
+
+    def read(self) -> bytes:
+        if self.member is None:
+            return self.path.read_bytes()
+        with zipfile.ZipFile(self.path) as z:
+            return z.read(self.member)
+
+
+def load_masks(source: "MaskFile | Path") -> tuple[np.ndarray, np.ndarray, int]:
+    """One ``masks_<step>.npz`` (a path or a :class:`MaskFile`): ``(masks bool [L, T, N],
+    token_ids [T], step)``."""
+    data = source.read() if isinstance(source, MaskFile) else Path(source).read_bytes()
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        L, T, N = (int(v) for v in z["shape"])
+        masks = np.unpackbits(z["masks"], axis=-1, count=N).astype(bool).reshape(L, T, N)
+        token_ids = np.asarray(z["token_ids"]).reshape(-1)
+        step = int(z["step"]) if "step" in z.files else -1
+    return masks, token_ids, step
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None

@@ -1,0 +1,296 @@
+"""``remoe bench --suite gpu``: one command that checks a CUDA machine.
+
+On a machine with CUDA:
+
+* **bf16 vs fp32** (micro model, dense / TopK / ReMoE): the loss of one batch under bf16
+  autocast (experts on ``grouped_mm``) against the same weights in fp32 (experts on the
+  ``reference`` loop: CUDA's grouped_mm is bf16 only), and the cosine similarity of the two
+  gradients;
+* **training step** (the paper's ``small`` preset by default, 182M dense backbone, E=8, k=1,
+  sequence 1024, GPT-2 vocabulary size): the real :class:`remoe.train.trainer.Trainer` step of
+  dense / TopK / ReMoE in bf16 with ``model.expert_backend=grouped_mm`` on synthetic token
+  batches; ReMoE's routers are calibrated to the sparse stage III (exactly ``k/E`` of the
+  tokens per expert, :func:`remoe.lab.bench.model.force_model_density`) so that its figure is the
+  steady state, not the dense stage I of a fresh model. Reported: tokens/s (after warm-up
+  steps, synchronised), MFU = the trainer's counted training FLOPs per second over the
+  device's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`, or ``--peak-tflops``) and over a
+  measured bf16 matmul, peak memory (``torch.cuda.max_memory_allocated``), and host
+  synchronisations per step (:class:`remoe.machine.syncs.SyncCounter` over one step, real CUDA);
+* **FSDP + expert parallelism** on two processes when two GPUs are visible: a short
+  ``remoe train`` of the micro model under ``torchrun`` (NCCL), its tokens/s.
+
+Without CUDA it prints one line and returns 0. Every part takes a ``device`` so that its logic
+(shapes, dtypes, the on-device dispatch plan, the table) is exercised on CPU by
+``tests/bench/test_bench_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: dense (no structured sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data
+#: sheets; matched against ``torch.cuda.get_device_name()``, longest key first
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0,
+}
+ROUTERS = ("dense", "topk", "relu")
+GPT2_VOCAB = 50257
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    """The data-sheet dense bf16 peak of a device name (whole words: "A10" is not "A10G"),
+    or None when unknown."""
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.IGNORECASE):
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10,
+                  dtype: torch.dtype = torch.bfloat16) -> float:
+    """Best measured ``n^3`` matmul rate on ``device`` (TFLOP/s)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    _sync(device)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e12
+
+
+def loss_check(device: torch.device, routers=ROUTERS, preset: str = "micro", batch: int = 4,
+               seq: int = 64, rtol: float = 2e-2, min_cosine: float = 0.99) -> list[dict]:
+    """bf16 autocast vs fp32 loss and gradient of the same weights on one batch."""
+    from remoe.model.config import ReMoEConfig
+    from remoe.model import ReMoEForCausalLM
+
+    rows = []
+    for router in routers:
+        torch.manual_seed(0)
+        model = ReMoEForCausalLM(ReMoEConfig.from_preset(preset, router=router)).to(device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+        res = {"router": router, "preset": preset}
+        grads = {}
+        for prec in ("fp32", "bf16"):
+            model.zero_grad(set_to_none=True)
+            dtypes = set()
+            hooks = [b.ffn.register_forward_pre_hook(  # the MoE layer's input (fp32 stream)
+                lambda mod, args: dtypes.add(str(args[0].dtype).replace("torch.", "")))
+                for b in model.layers if hasattr(b.ffn, "experts")]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=prec == "bf16"):
+                out = model(ids, labels=ids)
+            out.loss.backward()
+            for h in hooks:
+                h.remove()
+            res[f"loss_{prec}"] = float(out.loss.detach())
+            res[f"expert_input_dtype_{prec}"] = sorted(dtypes)
+            grads[prec] = torch.cat([p.grad.double().flatten() for p in model.parameters()
+                                     if p.grad is not None])
+        res["loss_rel_diff"] = abs(res["loss_bf16"] - res["loss_fp32"]) / abs(res["loss_fp32"])
+        res["grad_cosine"] = float(torch.nn.functional.cosine_similarity(
+            grads["fp32"], grads["bf16"], dim=0))
+        res["ok"] = res["loss_rel_diff"] <= rtol and res["grad_cosine"] >= min_cosine
+        rows.append(res)
+    return rows
+
+
+def train_row(router: str, device: torch.device, preset: str = "small", seq_len: int = 1024,
+              micro_batch: int = 8, steps: int = 10, warmup: int = 3, precision: str = "bf16",
+              vocab: int = GPT2_VOCAB, peak_tflops: float | None = None,
+              matmul_peak: float | None = None, compile_backend: str | None = None,
+              static_plan: bool = True) -> dict:
+    """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc).
+    ``compile_backend``: each decoder block compiled with it (``inductor``: what
+    ``train.compile=true`` does; the warm-up steps then include the compilation).
+    ``static_plan=False``: data-dependent routing on the exact plan (``nonzero``: one sync per
+    MoE layer) instead of the padded one, for comparison."""
+    from remoe.lab.bench.model import force_model_density
+    from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
+    from remoe.model.moe import MoELayer
+    from remoe.machine.syncs import SyncCounter
+    from remoe.train.compile import compile_blocks
+    from remoe.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:
+        cfg = step_config(router, preset, seq_len, micro_batch, 1, tmp,
+                          [f"train.device={device.type}", f"train.precision={precision}",
+                           f"train.max_steps={warmup + steps + 10}"])
+        t = Trainer(cfg, progress=False, data=SyntheticData(vocab))
+        try:
+            layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
+            for layer in layers:
+                layer.static_plan = static_plan
+            if router == "relu":  # the sparse stage III, as the CPU model suite forces it
+                ids = t.sampler.batch(0, 0, 0)[0].to(t.device)
+                with t._autocast():
+                    force_model_density(t.model, ids, 1.0 - t.model_cfg.target_sparsity)
+            t_compile = time.perf_counter()  # after the calibration (hooks would recompile)
+            if compile_backend:
+                compile_blocks(t.model, backend=compile_backend)
+            for _ in range(warmup):
+                t.train_step()
+            _sync(device)
+            warmup_s = time.perf_counter() - t_compile
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            recs = []
+            flops0 = t.total_flops  # the trainer's counted training FLOPs (cumulative)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                recs.append(t.train_step())
+            _sync(device)
+            dt = time.perf_counter() - t0
+            flops = t.total_flops - flops0
+            with SyncCounter() as sc, sc.watch(t.model, "forward"):
+                sc.mark_host(*[st["step"] for st in t.optimizer.state.values()
+                               if isinstance(st.get("step"), torch.Tensor)])
+                t.train_step()
+            peak_mem = (torch.cuda.max_memory_allocated(device) / 2**30
+                        if device.type == "cuda" else None)
+            expert_dtypes = _expert_dtypes(t, layers)
+        finally:
+            close_trainer(t)
+    tokens = sum(r["step_tokens"] for r in recs)
+    by = sc.by_phase()
+    row = {"router": router, "preset": preset, "device": _device_name(device),
+           "precision": precision, "backend": "grouped_mm", "compiled": compile_backend,
+           "plan": "static" if static_plan else "exact", "warmup_s": warmup_s, "seq_len": seq_len,
+           "micro_batch": micro_batch, "steps_timed": steps,
+           "tokens_per_s": tokens / dt, "step_ms": 1e3 * dt / steps,
+           "train_tflops": flops / dt / 1e12, "peak_mem_gib": peak_mem,
+           "sparsity": sum(r["sparsity"] for r in recs) / len(recs) if layers else None,
+           "loss_last": recs[-1]["loss"], "moe_layers": len(layers),
+           "syncs_forward": by.get("forward", 0), "syncs_backward": by.get("backward", 0),
+           "syncs_step": by.get("step", 0), "syncs_per_step": sc.count(),
+           "syncs_report": sc.report().splitlines(), "expert_input_dtype": expert_dtypes}
+    row["mfu"] = row["train_tflops"] / peak_tflops if peak_tflops else None
+    row["mfu_vs_matmul"] = row["train_tflops"] / matmul_peak if matmul_peak else None
+    return row
+
+
+class _GroupedMMDtypes(TorchDispatchMode):
+    """Records the input dtypes of every ``aten._grouped_mm`` call (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default:
+            self.seen.add(f"{args[0].dtype}x{args[1].dtype}".replace("torch.", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def _expert_dtypes(t, layers) -> list[str]:
+    """The dtypes ``grouped_mm`` computes in under the run's autocast (one forward+backward of
+    one sequence; no optimizer step). Empty for a model without MoE layers."""
+    if not layers:
+        return []
+    ids = t.sampler.batch(0, 0, 0)[0][:1].to(t.device)
+    with _GroupedMMDtypes() as mode:
+        with t._autocast():
+            out = t.model(ids, labels=ids)
+        out.loss.backward()
+    t.model.zero_grad(set_to_none=True)
+    return sorted(mode.seen)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def fsdp_ep_row(steps: int = 4) -> dict:
+    """A 2-process FSDP + expert-parallel ``remoe train`` of the micro model (NCCL)."""
+    from remoe.lab.bench.scale import run_layout
+
+    with tempfile.TemporaryDirectory(prefix="remoe-gpu-fsdp-") as tmp:
+        row = run_layout(2, "fsdp+ep", None, steps, Path(tmp),
+                   ["model.preset=micro", "train.seq_len=256", "train.micro_batch_size=8",
+                    "train.device=cuda"])
+    return {"layout": "fsdp+ep", "world": 2, "tokens_per_s": row["tokens_per_s"],
+            "step_tokens": row["step_tokens"], "steps": steps}
+
+
+def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
+              micro_batch: int = 8, steps: int = 10, warmup: int = 3,
+              peak_tflops: float | None = None, routers=ROUTERS, check_preset: str = "micro",
+              vocab: int = GPT2_VOCAB, matmul_n: int = 8192, log=print) -> dict:
+    """Every part of the suite on ``device`` (CUDA in production; CPU in the tests)."""
+    name = _device_name(device)
+    peak = peak_tflops or (peak_bf16_tflops(name) if device.type == "cuda" else None)
+    res = {"device": name, "peak_bf16_tflops": peak,
+           "peak_source": ("--peak-tflops" if peak_tflops else "data sheet" if peak else None)}
+    res["matmul_bf16_tflops"] = matmul_tflops(device, n=matmul_n)
+    log(f"device: {name}; bf16 peak {peak or 'unknown'} TFLOP/s ({res['peak_source']}); "
+        f"measured bf16 matmul {res['matmul_bf16_tflops']:.1f} TFLOP/s")
+    res["loss_check"] = loss_check(device, routers, preset=check_preset)
+    for r in res["loss_check"]:
+        log(f"  bf16 vs fp32 ({r['preset']} {r['router']}): loss {r['loss_bf16']:.4f} vs "
+            f"{r['loss_fp32']:.4f} (rel {r['loss_rel_diff']:.1e}), grad cosine "
+            f"{r['grad_cosine']:.4f}: {'ok' if r['ok'] else 'MISMATCH'}")
+    res["rows"] = []
+    for router in routers:
+        row = train_row(router, device, preset, seq_len, micro_batch, steps, warmup,
+                        vocab=vocab, peak_tflops=peak, matmul_peak=res["matmul_bf16_tflops"])
+        res["rows"].append(row)
+    res["fsdp_ep"] = None
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
+        try:
+            res["fsdp_ep"] = fsdp_ep_row()
+        except Exception as e:  # reported, not raised: the other figures stand
+            res["fsdp_ep"] = {"layout": "fsdp+ep", "world": 2, "error": str(e)[-500:]}
+    log("")
+    log(table(res))
+    return res
+
+
+def table(res: dict) -> str:
+    """The markdown table docs/SCALING.md publishes."""
+    head = ("| device | preset | router | precision | tokens/s | MFU (data sheet) | "
+            "MFU (matmul) | peak GiB | syncs/step (fwd/bwd/step) | sparsity |")
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in res["rows"]:
+        name = r["router"] + (", compiled" if r.get("compiled") else "") + (
+            ", exact plan" if r.get("plan") == "exact" and r["router"] != "dense" else "")
+        lines.append(f"| {r['device']} | {r['preset']} | {name} | {r['precision']} | "
+                     f"{r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | "
+                     f"{f(r['mfu_vs_matmul'], '.1%')} | {f(r['peak_mem_gib'], '.1f')} | "
+                     f"{r['syncs_per_step']} ({r['syncs_forward']}/{r['syncs_backward']}/"
+                     f"{r['syncs_step']}) | {f(r['sparsity'], '.3f')} |")
+    fe = res.get("fsdp_ep")
+    if fe is None:
+        lines.append("\nFSDP+EP, 2 processes: not run (fewer than 2 GPUs)")
+    elif "error" in fe:
+        lines.append(f"\nFSDP+EP, 2 processes: FAILED: {fe['error']}")
+    else:
+        lines.append(f"\nFSDP+EP, 2 processes (micro model, NCCL): {fe['tokens_per_s']:,.0f} "
+                     f"tokens/s")
+    return "\n".join(lines)
+
+
+NO_CUDA_LINE = "gpu suite: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); nothing measured"
+
+
+__all__ = ["run_suite", "loss_check", "train_row", "table", "peak_bf16_tflops", "PEAK_BF16_TFLOPS"]

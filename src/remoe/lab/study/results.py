@@ -1,0 +1,402 @@
+"""Study results: one row per run (``results.csv``) and mean ± std over seeds (``results.md``).
+
+Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``,
+``routing/masks_*.npz``):
+
+* ``val_loss`` and ``val_<domain>``: the final validation (the last ``eval.jsonl`` record, else
+  ``summary.json``); ``steps``, ``tokens``, ``flops`` (training FLOPs), ``train_s`` (the
+  trainer's step time) and ``wall_s`` (the child process over every attempt, from study.json).
+* For runs with an adaptive lambda (ReLU): ``settle_step`` (:func:`detect_stages` with the
+  trainer's defaults, as in its summary), ``flops_to_settle`` (training FLOPs of the steps
+  before it), ``layer_sparsity`` (per layer, mean over the steps from settling on) and
+  ``layer_dev_max`` (max over layers of |mean - (1 - k/E)|), ``lambda_log10_amp`` (log10 of
+  max/min lambda over the steps from settling on; with per-layer ``lambda_layers`` in the
+  metrics, the max over layers); over the second half of the run (steps after half the last
+  step, past the settling transient whatever its length): ``lambda_log10_amp_late`` (the same
+  span) and ``dead_per_layer_late`` (the mean of ``dead_experts``, the experts of a layer that
+  got no token in the step, over those steps and the layers).
+* ``inactive_experts``: experts (over all layers) that received fewer than 1/64 of the tokens
+  (the ``remoe analyze`` definition, :data:`remoe.lab.analysis.routing.INACTIVE_RATIO`), counted on
+  the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
+  without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
+  (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
+  ``inactive_floor``: the fewest inactive experts the same routed shares allow whatever the
+  balance (:func:`inactive_floor`): a layer whose tokens use ``a`` experts on average has room
+  for at most ``floor(64 a)`` experts at 1/64 of the tokens each.
+
+* ``zs:<task column>`` and ``zs:avg``: zero-shot accuracy (%) from ``RUN/eval_results.json``
+  (``remoe eval RUN --tasks ...``, which a spec's ``eval:`` section runs on every trained run),
+  each task with the metric ``remoe eval`` reports for it.
+
+Aggregation: rows with the same (group, label) over seeds; mean ± sample standard deviation
+(n - 1 in the denominator) with n, the number of finished seeds, shown.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from remoe.lab.study.spec import StudySpec
+
+#: columns aggregated in results.md (key, header, format)
+NUMERIC = [("val_loss", "val loss", ".4f"), ("flops", "train FLOPs", ".3g"),
+           ("tokens", "tokens", ".3g"), ("wall_s", "wall s", ".0f")]
+RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOPs to settle", ".3g"),
+                ("layer_dev_max", "max layer dev. from target", ".3f"),
+                ("inactive_experts", "inactive experts", ".1f"),
+                ("inactive_floor", "fewest inactive the layer densities allow", ".1f"),
+                ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f"),
+                ("lambda_log10_amp_late", "lambda log10 amp. (2nd half)", ".2f"),
+                ("dead_per_layer_late", "dead experts / layer / step (2nd half)", ".2f")]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None, str | None]:
+    """(share of the tokens routed to each expert [L, N], source) per the module docstring;
+    (None, None) for dense runs or without routing records."""
+    from remoe.lab.analysis.runlog import load_masks
+
+    if target_sparsity is None:
+        return None, None
+    files = run.mask_files()
+    if files:
+        step, path = files[-1]
+        try:
+            masks_LTN, _, _ = load_masks(path)
+        except (OSError, ValueError, KeyError):
+            masks_LTN = None
+        if masks_LTN is not None and masks_LTN.shape[1] > 0:
+            return masks_LTN.mean(axis=1), f"masks@{step}"
+    recs = [r for r in run.metrics.records if isinstance(r.get("expert_counts"), list)]
+    if not recs:
+        return None, None
+    tail = recs[len(recs) - max(1, math.ceil(0.1 * len(recs))):]
+    counts_LN = np.sum([np.asarray(r["expert_counts"], dtype=np.float64) for r in tail], axis=0)
+    tokens = float(sum(r.get("step_tokens", 0) for r in tail))
+    if counts_LN.ndim != 2 or tokens <= 0:
+        return None, None
+    return counts_LN / tokens, "expert_counts"
+
+
+def inactive_floor(ratio_LN: np.ndarray, threshold: float | None = None) -> int:
+    """The fewest inactive experts the layers' densities allow: a layer whose token gets
+    ``a = sum_e ratio_e`` experts on average can give at most ``floor(a / threshold)`` experts a
+    share of ``threshold`` or more each, so at least ``N - floor(a / threshold)`` are inactive
+    however evenly its load is spread."""
+    from remoe.lab.analysis.routing import INACTIVE_RATIO
+
+    t = INACTIVE_RATIO if threshold is None else threshold
+    n = ratio_LN.shape[1]
+    # a tiny tolerance: a layer at exactly a = m * t must not lose one to rounding
+    fit_L = np.floor(ratio_LN.sum(axis=1) / t + 1e-9)
+    return int(np.clip(n - fit_L, 0, n).sum())
+
+
+def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float | None:
+    """log10(max / min) of lambda over the records from ``settle_step`` on (per-layer lambdas:
+    the largest layer amplitude)."""
+    from remoe.method.stages import log10_span
+
+    after = [r for r in records if int(r.get("step", -1)) >= settle_step]
+    series: list[list[float]] = []
+    layered = [r["lambda_layers"] for r in after if isinstance(r.get("lambda_layers"), list)]
+    if layered and len({len(x) for x in layered}) == 1:
+        series = [list(col) for col in zip(*layered)]
+    else:
+        series = [[r.get("lambda") for r in after]]
+    amps = [log10_span(x) for x in (np.asarray([v for v in s if _finite(v) and v > 0], float)
+                                    for s in series) if x.size >= 2]
+    return max(amps) if amps else None
+
+
+def run_row(run_dir: Path) -> dict[str, Any]:
+    """The numbers of one finished run (see the module docstring)."""
+    from remoe.lab.analysis.routing import INACTIVE_RATIO
+    from remoe.lab.analysis.runlog import Run
+    from remoe.method.stages import detect_stages
+
+    run = Run(run_dir)
+    s = run.summary
+    row: dict[str, Any] = {k: s.get(k) for k in ("steps", "tokens", "flops", "router")}
+    row["train_s"] = s.get("elapsed_s")
+    last_eval = run.evals[-1] if run.evals else None
+    row["val_loss"] = last_eval.get("val_loss") if last_eval else s.get("val_loss")
+    domains = (last_eval or {}).get("domains") or s.get("val_domains") or {}
+    for d, v in domains.items():
+        row[f"val_{d}"] = v
+    mc = run.model_config
+    target = run.target_sparsity
+    row["target_sparsity"] = target
+    ratio_LN, source = routed_ratio(run, target)
+    if ratio_LN is not None:
+        row.update(inactive_experts=int((ratio_LN < INACTIVE_RATIO).sum()),
+                   num_experts_total=int(ratio_LN.size), inactive_source=source,
+                   inactive_floor=inactive_floor(ratio_LN))
+    else:
+        row.update(inactive_experts=None, num_experts_total=None, inactive_source=None)
+    m = run.metrics
+    adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.model.registry)
+    if adaptive and len(m) and m.has("sparsity") and target is not None:
+        st = detect_stages(m.steps, m["sparsity"], target, m["lambda"] * m["reg_loss"],
+                           m["lm_loss"])
+        row["settle_step"] = st.settle_step
+        if st.settle_step is not None:
+            before = m.steps < st.settle_step
+            flops = m["flops"][before]
+            row["flops_to_settle"] = float(flops[-1]) if flops.size else 0.0
+            layer = m.layer_sparsity()
+            after = m.steps >= st.settle_step
+            if layer.shape[1] and after.any():
+                mean_L = np.nanmean(layer[after], axis=0)
+                row["layer_sparsity"] = "/".join(f"{v:.4f}" for v in mean_L)
+                row["layer_dev_max"] = float(np.nanmax(np.abs(mean_L - target)))
+            row["lambda_log10_amp"] = lambda_amplitude(m.records, st.settle_step)
+        half = int(m.steps.max()) // 2
+        row["lambda_log10_amp_late"] = lambda_amplitude(m.records, half + 1)
+        dead = m.per_layer("dead_experts")[m.steps > half]
+        if dead.size and np.isfinite(dead).any():
+            row["dead_per_layer_late"] = float(np.nanmean(dead))
+    row.update(zero_shot_row(run_dir))
+    row["val_loss_full"] = full_split_loss(run_dir)
+    return row
+
+
+def full_split_loss(run_dir: Path) -> float | None:
+    """The loss over the whole validation split (``remoe eval``, a spec's ``eval.loss``) from
+    RUN/eval_results.json, else None."""
+    import json
+
+    try:
+        v = json.loads((run_dir / "eval_results.json").read_text())["models"][0]["loss"]["loss"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return float(v) if _finite(v) else None
+
+
+def zero_shot_row(run_dir: Path) -> dict[str, float]:
+    """``{"zs:<column header>": accuracy %, ..., "zs:avg": mean}`` of RUN/eval_results.json."""
+    import json
+
+    try:
+        doc = json.loads((run_dir / "eval_results.json").read_text())
+        model = doc["models"][0]
+        columns = doc["tasks"]["columns"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+    out = {}
+    for task, header, metric in columns:
+        v = (model.get("zero_shot") or {}).get(task, {}).get(metric)
+        if _finite(v):
+            out[f"zs:{header}"] = 100.0 * float(v)
+    if out:
+        out["zs:avg"] = float(np.mean(list(out.values())))
+    return out
+
+
+def run_source(spec: StudySpec, runs_dir: Path, name: str) -> Path:
+    """A run's directory when it finished there, else its committed copy (spec ``results:``,
+    :mod:`remoe.lab.study.archive`) when there is one, else its directory."""
+    from remoe.lab.study.archive import committed_dir
+
+    d = runs_dir / name
+    if (d / "summary.json").is_file():
+        return d
+    return committed_dir(spec.results_dir, name) or d
+
+
+def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per run of the spec: its identity, its state, and its numbers when finished
+    (read from its directory, else from its committed copy)."""
+    from remoe.lab.study.archive import run_state
+
+    runs_state = (state or {}).get("runs") or {}
+    rows = []
+    for r in spec.runs:
+        d = run_source(spec, runs_dir, r.name)
+        st = runs_state.get(r.name) or {}
+        row: dict[str, Any] = {"name": r.name, "group": r.group, "label": r.label,
+                               "seed": r.seed, "overrides": r.describe_overrides(),
+                               "stop": r.describe_stop()}
+        if (d / "summary.json").is_file():  # trained (zero-shot columns may still be pending)
+            row["state"] = "done"
+            row["source"] = str(d)
+            row.update(run_row(d))
+            row["wall_s"] = st.get("total_wall_s") or run_state(d).get("total_wall_s") or None
+        else:
+            row["state"] = st.get("state") if st.get("state") not in (None, "done") else "pending"
+        rows.append(row)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
+    tmp.replace(path)
+    return path
+
+
+def mean_std(values: list[Any]) -> tuple[float | None, float | None, int]:
+    """Mean and sample std (n - 1) of the finite values; std None when n < 2."""
+    x = np.asarray([v for v in values if _finite(v)], dtype=np.float64)
+    if x.size == 0:
+        return None, None, 0
+    return float(x.mean()), (float(x.std(ddof=1)) if x.size >= 2 else None), int(x.size)
+
+
+def fmt_mean_std(values: list[Any], spec: str) -> str:
+    m, s, n = mean_std(values)
+    if m is None:
+        return "–"
+    return f"{m:{spec}}" + (f" ± {s:{spec}}" if s is not None else "")
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (group, label): its finished rows and their seeds."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["group"], row["label"])
+        e = out.setdefault(key, {"group": row["group"], "label": row["label"],
+                                 "overrides": row["overrides"], "stop": row["stop"],
+                                 "rows": [], "seeds": 0})
+        e["seeds"] += 1
+        if row.get("state") == "done":
+            e["rows"].append(row)
+    return list(out.values())
+
+
+def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
+    from remoe.lab.analysis.report_facts import adaptive_lambda  # the router declares it
+
+    where = f"runs in `{out / 'runs'}`" + (
+        f", finished runs' small outputs committed in `{_rel(spec.results_dir)}/runs`"
+        if spec.results_dir else "")
+    lines = [f"# Study `{spec.name}`", "",
+             f"Spec `{_rel(spec.path)}`; {where}. Budget: {spec.budget}", "",
+             "Mean ± sample std over seeds (n = finished seeds / seeds). Validation loss: the "
+             "final evaluation; FLOPs: training FLOPs counted from the active experts; wall: "
+             "the training process over every attempt. Definitions: docs/STUDY.md.", ""]
+    done = sum(r.get("state") == "done" for r in rows)
+    lines += [f"{done} of {len(rows)} runs finished.", ""]
+    entries = aggregate(rows)
+    for group in dict.fromkeys(e["group"] for e in entries):
+        ges = [e for e in entries if e["group"] == group]
+        domains = sorted({k for e in ges for r in e["rows"] for k in r
+                          if k.startswith("val_") and k != "val_loss"})
+        zero_shot = list(dict.fromkeys(k for e in ges for r in e["rows"] for k in r
+                                       if k.startswith("zs:")))
+        relu = any(r.get("target_sparsity") is not None and adaptive_lambda(r.get("router"))
+                   for e in ges for r in e["rows"])
+        lines += [f"## {group}", ""]
+        numeric = NUMERIC
+        if any(r.get("val_loss_full") is not None for e in ges for r in e["rows"]):
+            numeric = NUMERIC[:1] + [("val_loss_full", "val loss, whole split", ".4f")] + NUMERIC[1:]
+        head = ["run", "n"] + [h for _, h, _ in numeric] + [d[4:] for d in domains]
+        body = []
+        for e in ges:
+            rs = e["rows"]
+            body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
+                        + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in numeric]
+                        + [fmt_mean_std([r.get(d) for r in rs], ".3f") for d in domains])
+        lines += _md_table(head, body) + [""]
+        if zero_shot:
+            lines += ["Zero-shot accuracy (%, `remoe eval --tasks`; * = built from the held-out "
+                      "split):", ""]
+            lines += _md_table(["run", "n"] + [k[3:] for k in zero_shot],
+                               [[f"`{e['label']}`", f"{len(e['rows'])}/{e['seeds']}"]
+                                + [fmt_mean_std([r.get(k) for r in e["rows"]], ".1f")
+                                   for k in zero_shot] for e in ges]) + [""]
+        if relu:
+            head = ["run", "n"] + [h for _, h, _ in RELU_NUMERIC] + ["layer sparsity (mean of seeds)",
+                                                                     "inactive from"]
+            body = []
+            for e in ges:
+                rs = [r for r in e["rows"] if adaptive_lambda(r.get("router"))]
+                if not rs:
+                    continue
+                per_layer = [[float(x) for x in r["layer_sparsity"].split("/")]
+                             for r in rs if r.get("layer_sparsity")]
+                layers = ("/".join(f"{v:.3f}" for v in np.mean(per_layer, axis=0))
+                          if per_layer and len({len(p) for p in per_layer}) == 1 else "–")
+                total = rs[0].get("num_experts_total")
+                body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
+                            + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in RELU_NUMERIC]
+                            + [layers, f"{rs[0].get('inactive_source') or '–'}"
+                               + (f" (of {total})" if total else "")])
+            lines += ["Sparsity control (ReLU runs; after settling):", ""]
+            lines += _md_table(head, body) + [""]
+        lines += ["<details><summary>runs of this group</summary>", ""]
+        lines += _md_table(["run", "overrides", "stop"],
+                           [[f"`{e['label']}`", e["overrides"] or "–", e["stop"]] for e in ges])
+        lines += ["", "</details>", ""]
+    pending = [r for r in rows if r.get("state") != "done"]
+    if pending:
+        lines += ["Not finished: " + ", ".join(f"`{r['name']}` ({r.get('state')})"
+                                               for r in pending), ""]
+    return "\n".join(lines)
+
+
+def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> tuple[Path, Path, list]:
+    """``results.csv``, ``results.md`` and, where runs have periodic evaluations,
+    ``curves.csv`` / ``curves.png`` (:mod:`remoe.lab.study.curves`) into ``out`` and, for a spec
+    with ``results:``, the same files into that directory beside the committed runs."""
+    from remoe.lab.study import curves
+
+    rows = collect(spec, (out / "runs").resolve(), state)
+    run_curves, label_curves = curves.collect_curves(rows, lambda row: Path(row["source"]))
+    text = markdown(spec, rows, out)
+    if label_curves:
+        text += "\n" + "\n".join(curves.markdown_section(label_curves)) + "\n"
+        from remoe.lab.study import overtime
+
+        over = overtime.markdown_section(rows, lambda row: Path(row["source"]))
+        if over:
+            text += "\n" + "\n".join(over) + "\n"
+    if any(r.init_of for r in spec.runs):
+        from remoe.lab.study import continued
+
+        cont = continued.markdown_section(spec, rows, lambda row: Path(row["source"]))
+        if cont:
+            text += "\n" + "\n".join(cont) + "\n"
+    csv_path = md = None
+    for d in dict.fromkeys([Path(out)] + ([spec.results_dir] if spec.results_dir else [])):
+        d.mkdir(parents=True, exist_ok=True)
+        public = [{k: v for k, v in row.items() if k != "source"} for row in rows]
+        p_csv = write_csv(d / "results.csv", public)
+        p_md = d / "results.md"
+        tmp = p_md.with_name(".results.md.tmp")
+        tmp.write_text(text)
+        tmp.replace(p_md)
+        if run_curves:
+            curves.write_csv(d / "curves.csv", run_curves)
+            curves.write_figure(d / "curves.png", label_curves)
+        csv_path, md = csv_path or p_csv, md or p_md
+    return csv_path, md, rows
+
+
+def _rel(path: Path) -> str:
+    """A path relative to the working directory where it lies below it (stable in committed
+    tables), else as it is."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
