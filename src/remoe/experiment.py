@@ -112,6 +112,10 @@ class TrainConfig:
     # checkpoints (remoe.distributed.fsdp, remoe.distributed.dcp; docs/SCALING.md)
     fsdp: bool = False
     compile: bool = False  # torch.compile each decoder block (remoe.train.compile); off: eager
+    # the device path's plan for data-dependent routing (ReLU): exact (nonzero, one host sync
+    # per MoE layer; the faster one measured on an H200) | static (padded to a static capacity:
+    # no sync, but the padding rows' work and memory; docs/SCALING.md)
+    dispatch_plan: str = "exact"
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
     # directory (converted on the fly); the model: section then holds overrides only
@@ -156,6 +160,8 @@ class TrainConfig:
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
+        _check(self.dispatch_plan in ("exact", "static"),
+               f"train.dispatch_plan={self.dispatch_plan!r} must be exact or static")
         _check(self.keep_optimizer in ("all", "newest"),
                f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
         _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),

@@ -135,7 +135,7 @@ def test_moe_layer_forward_backward_on_grouped_mm(router, recompute):
     cfg = MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, granularity=2, router=router,
                     expert_backend="grouped_mm", recompute_experts=recompute)
     layer = MoELayer(cfg)
-    layer.static_plan = True  # what the default is on CUDA
+    layer.static_plan = True  # train.dispatch_plan=static: no sync in the layer
     x = torch.randn(2, 16, 32, requires_grad=True)
     ctx = RouterContext(batch_size=2, seq_len=16, token_ids_T=torch.arange(32), step=0)
     with SyncCounter() as sc, sc.watch(layer, "forward"):

@@ -1,9 +1,10 @@
 """``train.compile=true``: decoder blocks compiled one by one, ReLU routing without recompiles.
 
 The device path (``grouped_mm``, bf16 autocast: dynamo's fake ``grouped_mm`` takes bf16 only)
-on CPU with synthetic batches, so the routing changes from step to step. The padded dispatch
-plan keeps every shape a function of the micro-batch, so after the first step nothing is
-compiled again. Dynamo runs under the ``eager`` backend (its graphs executed op by op: the
+on CPU with synthetic batches, so the routing changes from step to step. On the static
+dispatch plan every shape is a function of the micro-batch: one graph per block, nothing
+compiled again after the first step; on the default exact plan the graph breaks at the plan's
+``nonzero`` and, after a warm-up, nothing is compiled again either. Dynamo runs under the ``eager`` backend (its graphs executed op by op: the
 same numerics as eager mode, losses to 1e-5) and under ``aot_eager`` (AOTAutograd traces the
 joint forward/backward graph, including the plan; its decompositions round bf16 differently).
 Inductor's code generation is left to the GPU check: on CPU it takes minutes.
@@ -61,9 +62,10 @@ def dynamo(monkeypatch):
 
 
 def test_relu_twenty_steps_compiled_equal_eager_without_recompiles(tmp_path, dynamo):
+    static = ["train.dispatch_plan=static"]
     dynamo("eager")
-    eager, sparsity, _, keys_eager = _train(tmp_path, "relu", False, 20)
-    compiled, sparsity_c, graphs, keys = _train(tmp_path, "relu", True, 20)
+    eager, sparsity, _, keys_eager = _train(tmp_path, "relu", False, 20, extra=static)
+    compiled, sparsity_c, graphs, keys = _train(tmp_path, "relu", True, 20, extra=static)
     assert len(set(sparsity)) > 5  # the routing (pairs per step) changes from step to step
     for a, b in zip(eager, compiled):
         assert abs(a - b) <= 1e-5 * abs(a), (eager, compiled)
@@ -74,11 +76,40 @@ def test_relu_twenty_steps_compiled_equal_eager_without_recompiles(tmp_path, dyn
     assert keys == keys_eager  # compiled in place: the same parameter names
 
 
+def test_relu_on_the_exact_plan_compiles_with_bounded_graphs(tmp_path, dynamo):
+    """The default plan (``nonzero``: a data-dependent size) breaks each block's graph at the
+    plan; the pair count changes every step, yet after the warm-up nothing compiles again."""
+    dynamo("eager")
+    eager, sparsity, _, _ = _train(tmp_path, "relu", False, 12)
+    compiled, _, graphs, _ = _train(tmp_path, "relu", True, 12)
+    assert len(set(sparsity)) > 3
+    for a, b in zip(eager, compiled):
+        assert abs(a - b) <= 1e-5 * abs(a), (eager, compiled)
+    assert graphs[0] >= 1 and graphs[-1] == graphs[3], graphs
+
+
+def test_dispatch_plan_is_exact_by_default_and_checked(tmp_path):
+    from remoe.model.moe import MoELayer
+
+    assert load_config(None, []).train.dispatch_plan == "exact"
+    with pytest.raises(ConfigError, match="train.dispatch_plan"):
+        load_config(None, ["train.dispatch_plan=padded"])
+    cfg = load_config(None, ["model.router=relu", "model.preset=micro"])
+    from remoe.model import ReMoEForCausalLM
+
+    model = ReMoEForCausalLM(cfg.model_config(vocab_size=64))
+    assert compiling.set_dispatch_plan(model, "static") == len(model.layers)
+    assert all(m.static_plan for m in model.modules() if isinstance(m, MoELayer))
+    compiling.set_dispatch_plan(model, "exact")
+    assert not any(m.static_plan for m in model.modules() if isinstance(m, MoELayer))
+
+
 @pytest.mark.parametrize("router", ["relu", "topk"])
 def test_aot_autograd_traces_the_block_with_its_plan(tmp_path, dynamo, router):
     dynamo("aot_eager")
-    eager, _, _, _ = _train(tmp_path, router, False, 4)
-    compiled, _, graphs, _ = _train(tmp_path, router, True, 4)
+    static = ["train.dispatch_plan=static"]  # one graph per block: the plan traced with it
+    eager, _, _, _ = _train(tmp_path, router, False, 4, extra=static)
+    compiled, _, graphs, _ = _train(tmp_path, router, True, 4, extra=static)
     for a, b in zip(eager, compiled):
         assert abs(a - b) <= 2e-3 * abs(a), (eager, compiled)  # bf16 rounding, decomposed
     assert graphs[-1] == graphs[0] >= 1, graphs

@@ -95,11 +95,11 @@ def base_experts(experts: nn.Module) -> nn.Module:
 class MoELayer(nn.Module):
     """Token-routed experts: any :class:`~remoe.model.routers.Router`, dropless dispatch."""
 
-    #: data-dependent routing on the device path: True = a plan padded to a static capacity (no
-    #: host sync, shapes fixed by T), False = the exact plan (``nonzero``: one sync per call),
-    #: None = padded on an accelerator and under torch.compile, exact in CPU eager mode (no
-    #: wait to save there, no padding rows to pay for)
-    static_plan: bool | None = None
+    #: data-dependent routing on the device path: False = the exact plan (``nonzero``: one host
+    #: sync per call), True = a plan padded to a static capacity (no sync, shapes fixed by T;
+    #: the padding rows cost work and memory: 0.61x the exact plan's tokens/s on an H200,
+    #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.compile.set_dispatch_plan)
+    static_plan: bool = False
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -119,11 +119,8 @@ class MoELayer(nn.Module):
         # static_plan; exact: nonzero, one sync); the CPU backends plan on the host
         base = base_experts(self.experts)
         on_device = x_TD.device.type != "cpu" or base.resolve_backend(x_TD) == "grouped_mm"
-        static = self.static_plan
-        if static is None:
-            static = x_TD.device.type != "cpu" or torch.compiler.is_compiling()
         capacity = None
-        if on_device and r.num_pairs is None and static and base.accepts_padded_plan:
+        if on_device and r.num_pairs is None and self.static_plan and base.accepts_padded_plan:
             capacity = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
         plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device, capacity=capacity)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)

@@ -6,13 +6,16 @@ are graph inputs); the embedding, the final norm, the LM head and the loss stay 
 after expert parallelism and before FSDP. ``nn.Module.compile`` compiles in place, so the
 parameter names, the state dict and the checkpoints are those of the eager model.
 
-Shapes: a block's tensors are sized by the tokens of a micro-batch (fixed in training) and,
-on the device path, by the static capacity of the dispatch plan (:func:`remoe.model.dispatch.plan`
-pads data-dependent routing to ``T*N`` rows), so a change of routing does not recompile. What
-does: a new micro-batch shape (evaluation batches; automatic dynamic shapes then make that
-dimension symbolic), and grad mode on / off (training vs evaluation). The fused CPU backend
-(a custom kernel walking a host-side plan) is not traceable; dynamo runs it eagerly between
-graphs, so on CPU ``model.expert_backend=grouped_mm`` is the compileable path.
+Shapes: a block's tensors are sized by the tokens of a micro-batch (fixed in training) and, for
+data-dependent routing (ReLU), by the dispatch plan (``train.dispatch_plan``). On the default
+exact plan the pair count comes from a ``nonzero``: dynamo breaks the block's graph there and
+compiles the pieces around it once, with the pair count symbolic, so a change of routing does
+not recompile (tests/train/test_compile.py). On the static plan the plan is padded to ``T*N``
+rows (:func:`remoe.model.dispatch.plan`): one graph per block, no break, no sync -- but slower
+on an H200 (docs/SCALING.md). What does recompile: a new micro-batch shape (evaluation batches;
+automatic dynamic shapes then make that dimension symbolic), and grad mode on / off. The fused
+CPU backend (a custom kernel walking a host-side plan) is not traceable; dynamo runs it eagerly
+between graphs, so on CPU ``model.expert_backend=grouped_mm`` is the compileable path.
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ def compile_blocks(model: nn.Module, **options) -> int:
     return len(blocks)
 
 
+def set_dispatch_plan(model: nn.Module, plan: str) -> int:
+    """``train.dispatch_plan``: ``static`` pads every MoE layer's data-dependent dispatch plan to
+    a static capacity (no host sync), ``exact`` plans the active pairs only (``nonzero``); the
+    number of MoE layers set."""
+    from remoe.model.moe import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.static_plan = plan == "static"
+    return len(layers)
+
+
 def compile_counters() -> dict[str, int]:
     """Dynamo's process-wide counters: frames compiled (``frames``: one per compiled graph
     entry, recompilations included) and graph breaks (``graph_breaks``)."""
@@ -38,4 +53,4 @@ def compile_counters() -> dict[str, int]:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
-__all__ = ["compile_blocks", "compile_counters"]
+__all__ = ["compile_blocks", "compile_counters", "set_dispatch_plan"]

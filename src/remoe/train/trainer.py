@@ -104,6 +104,7 @@ class Trainer:
             self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         # train.expert_parallel: this rank's slice of the experts (None: off or one process)
         self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
+        compiling.set_dispatch_plan(self.model, tc.dispatch_plan)  # exact | static (ReLU)
         if tc.compile:  # each decoder block compiled in place, before FSDP (remoe.train.compile)
             compiling.compile_blocks(self.model)
         # train.fsdp: FSDP2 over the blocks and the root (remoe.distributed.fsdp; None otherwise)

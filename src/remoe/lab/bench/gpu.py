@@ -116,12 +116,14 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
               micro_batch: int = 8, steps: int = 10, warmup: int = 3, precision: str = "bf16",
               vocab: int = GPT2_VOCAB, peak_tflops: float | None = None,
               matmul_peak: float | None = None, compile_backend: str | None = None,
-              static_plan: bool = True) -> dict:
+              static_plan: bool = False) -> dict:
     """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc).
     ``compile_backend``: each decoder block compiled with it (``inductor``: what
     ``train.compile=true`` does; the warm-up steps then include the compilation).
-    ``static_plan=False``: data-dependent routing on the exact plan (``nonzero``: one sync per
-    MoE layer) instead of the padded one, for comparison."""
+    ``static_plan=True``: data-dependent routing on the plan padded to a static capacity (no
+    sync) instead of the exact one (``nonzero``: one sync per MoE layer), for comparison.
+    The learning rate is tiny (``train.lr=1e-12``, ``train.min_lr=0``; the same work per step) so that the routers
+    stay where the calibration put them: ReLU's timed steps run at the stage-III density."""
     from remoe.lab.bench.model import force_model_density
     from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.model.moe import MoELayer
@@ -132,7 +134,8 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:
         cfg = step_config(router, preset, seq_len, micro_batch, 1, tmp,
                           [f"train.device={device.type}", f"train.precision={precision}",
-                           f"train.max_steps={warmup + steps + 10}"])
+                           f"train.max_steps={warmup + steps + 10}", "train.lr=1e-12",
+                           "train.min_lr=0"])
         t = Trainer(cfg, progress=False, data=SyntheticData(vocab))
         try:
             layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
@@ -273,7 +276,7 @@ def table(res: dict) -> str:
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in res["rows"]:
         name = r["router"] + (", compiled" if r.get("compiled") else "") + (
-            ", exact plan" if r.get("plan") == "exact" and r["router"] != "dense" else "")
+            ", static plan" if r.get("plan") == "static" and r["router"] != "dense" else "")
         lines.append(f"| {r['device']} | {r['preset']} | {name} | {r['precision']} | "
                      f"{r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | "
                      f"{f(r['mfu_vs_matmul'], '.1%')} | {f(r['peak_mem_gib'], '.1f')} | "

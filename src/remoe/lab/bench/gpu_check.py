@@ -9,8 +9,9 @@ of what matters if the run is cut off:
 2. ``bf16_check``: bf16 autocast vs fp32 loss and gradient (:func:`remoe.lab.bench.gpu.loss_check`);
 3. one stage per row of :data:`ROWS`: dense / TopK / ReLU at the ``small`` preset (E=8, k=1,
    sequence 1024, ReLU calibrated to the sparse stage III), eager then with each decoder block
-   compiled (inductor), then ReLU on the exact plan (one ``nonzero`` sync per layer) as the
-   comparison for the padded plan: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, MFU against
+   compiled (inductor), all on the default exact dispatch plan (one ``nonzero`` sync per ReLU
+   layer), then ReLU on the static plan (padded, no sync: ``train.dispatch_plan=static``) as
+   the comparison: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, MFU against
    the data sheet and the measured matmul, peak memory, host syncs per step.
 
 After every stage the whole result so far is written to ``gpu_check.json`` (atomically: a
@@ -35,9 +36,9 @@ from pathlib import Path
 import torch
 
 #: (router, compile backend or None, static plan) in the order they run
-ROWS = (("dense", None, True), ("topk", None, True), ("relu", None, True),
-        ("dense", "inductor", True), ("topk", "inductor", True), ("relu", "inductor", True),
-        ("relu", None, False))
+ROWS = (("dense", None, False), ("topk", None, False), ("relu", None, False),
+        ("dense", "inductor", False), ("topk", "inductor", False), ("relu", "inductor", False),
+        ("relu", None, True))
 NO_CUDA = ("gpu check: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); "
            "nothing measured")
 
@@ -84,7 +85,7 @@ class Recorder:
 
 
 def row_name(router: str, backend: str | None, static: bool) -> str:
-    return router + (f"_compiled_{backend}" if backend else "_eager") + ("" if static else "_exact_plan")
+    return router + (f"_compiled_{backend}" if backend else "_eager") + ("_static_plan" if static else "")
 
 
 def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_len: int = 1024,
