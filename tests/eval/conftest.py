@@ -73,3 +73,33 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
     return attempts
+
+
+@pytest.fixture
+def tiny_run(tmp_path, held_out_docs, make_micro_model):
+    """A saved run directory ``runs/tiny``: a micro model in ``final/`` with its tokenizer, and
+    the data section of a small corpus (three domains of ten documents, 30% held out)."""
+    import shutil
+
+    import yaml
+
+    from remoe.data import DataConfig, prepare_data
+
+    sources = []
+    for dom, docs in held_out_docs.items():
+        d = tmp_path / "corpus" / dom
+        d.mkdir(parents=True)
+        base = docs[0][1].split()
+        for i in range(10):
+            rng = random.Random(f"{dom}{i}")
+            (d / f"doc{i}.txt").write_text(" ".join(rng.choice(base) for _ in range(150)))
+        sources.append(f"{dom}={d}")
+    data = DataConfig(sources=sources, cache_dir=str(tmp_path / "cache"), vocab_size=300,
+                      test_fraction=0.3)
+    bundle = prepare_data(data, progress=False)
+    run = tmp_path / "runs" / "tiny"
+    make_micro_model(seed=3).save_pretrained(run / "final")
+    shutil.copy(bundle.tokenizer_path, run / "final" / "tokenizer.json")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": data.to_dict(),
+                                                     "train": {"seq_len": 32}}))
+    return run

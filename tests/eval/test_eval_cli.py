@@ -5,40 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import shutil
-
-import yaml
 
 from remoe.cli import main
 
 
-def test_remoe_eval_cli_on_a_tiny_run(tmp_path, held_out_docs, make_micro_model, capsys,
-                                      no_network):
-    import random
-
-    from remoe.data import DataConfig, prepare_data
-
-    # a small corpus: three domains of ten documents each
-    sources = []
-    for dom, docs in held_out_docs.items():
-        d = tmp_path / "corpus" / dom
-        d.mkdir(parents=True)
-        base = docs[0][1].split()
-        for i in range(10):
-            rng = random.Random(f"{dom}{i}")
-            (d / f"doc{i}.txt").write_text(" ".join(rng.choice(base) for _ in range(150)))
-        sources.append(f"{dom}={d}")
-    data = DataConfig(sources=sources, cache_dir=str(tmp_path / "cache"), vocab_size=300,
-                      test_fraction=0.3)
-    bundle = prepare_data(data, progress=False)
-
-    run = tmp_path / "runs" / "tiny"
-    model = make_micro_model(seed=3)
-    model.save_pretrained(run / "final")
-    shutil.copy(bundle.tokenizer_path, run / "final" / "tokenizer.json")
-    (run / "config.yaml").write_text(yaml.safe_dump({"data": data.to_dict(),
-                                                     "train": {"seq_len": 32}}))
-
+def test_remoe_eval_cli_on_a_tiny_run(tmp_path, tiny_run, held_out_docs, capsys, no_network):
+    run = tiny_run
     out = tmp_path / "res" / "results.json"
     rc = main(["eval", str(run), "--tasks", "builtin,arc_easy", "--limit", "4",
                "--num-examples", "6", "--out", str(out), "--batch-size", "4",
@@ -53,8 +25,8 @@ def test_remoe_eval_cli_on_a_tiny_run(tmp_path, held_out_docs, make_micro_model,
     (m,) = doc["models"]
     assert m["name"] == "Tiny" and m["loss_skipped"] is None
     loss = m["loss"]
-    assert set(loss["domains"]) == set(bundle.domains)
-    assert loss["seq_len"] == 32 and loss["tokens"] == 32 * 2 * len(bundle.domains)
+    assert set(loss["domains"]) == set(held_out_docs)
+    assert loss["seq_len"] == 32 and loss["tokens"] == 32 * 2 * len(held_out_docs)
     assert math.isfinite(loss["loss"]) and 0 < loss["loss"] < 2 * math.log(320)
     for task in ("remoe_lambada", "remoe_hellaswag", "remoe_domain"):
         assert 0.0 <= m["zero_shot"][task]["acc"] <= 1.0
