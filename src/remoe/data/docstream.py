@@ -108,6 +108,7 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
     budget = StreamBudget(max_bytes_per_domain, spill_dir)
     seen_builtin: set[str] = set()
     roots: dict[str, int] = {}
+    n_megatron = 0
     for spec in (parse_source(s) for s in sources):
         if spec.kind == "builtin":
             yield from _builtin_docs(spec, budget, seen_builtin, found)
@@ -119,7 +120,9 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
             found["used"].append(spec.describe())
             prefix = megatron_prefix(spec.path)
             assert prefix is not None
-            yield from read_megatron(prefix, spec.domain or prefix.name)  # no budget, no dedup
+            # no budget, no dedup; numbered in source order (remoe.data.megatron)
+            yield from read_megatron(prefix, spec.domain or prefix.name, n_megatron)
+            n_megatron += 1
             continue
         found["used"].append(spec.describe())
         root = Path(spec.path).resolve().name

@@ -9,6 +9,11 @@ The stream of kept documents (with their planned splits) is cut into *units* of 
 * ``shards/uNNNNNN.heldout.jsonl`` -- the held-out (validation/test) documents' text, by section
   (the training text is never copied).
 
+A Megatron train document that ends with EOS is not copied: consecutive ones form an
+:class:`InPlace` run, recorded in the unit's journal line (``inplace``: label, domain, copied
+documents of its section before it, dataset number, documents ``[first, stop)``, first token
+in ``.bin``, tokens) and read from the dataset's ``.bin`` by the store.
+
 A unit depends only on its documents, so ``workers`` processes encode units in parallel
 (``tokenizers``' batch encoding, one thread each), at most ``2 * workers`` in flight. Every file
 is written to a temporary name and moved into place, then the unit's line (sections, sizes,
@@ -24,6 +29,7 @@ import io
 import json
 import multiprocessing
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,19 +42,51 @@ DEFAULT_SHARD_BYTES = 64 << 20
 _ENCODE_BATCH_CHARS = 1 << 20
 
 
+_RUN_BYTES = 64  # what an in-place run counts towards a unit's size
+
+
 def unit_name(unit_id: int, what: str) -> str:
     return f"u{unit_id:06d}.{what}"
 
 
+@dataclass
+class InPlace:
+    """Consecutive train documents ``[first, stop)`` of Megatron dataset ``dataset``: tokens
+    ``[start, start + ntok)`` of its ``.bin``, read in place (never copied)."""
+
+    dataset: int
+    first: int
+    stop: int
+    start: int
+    ntok: int
+
+
 def iter_units(docs: Iterable[Any], labels: np.ndarray, dom_index: dict[str, int],
-               shard_bytes: int) -> Iterator[tuple[int, list[tuple[int, int, str, Any]]]]:
-    """``(unit id, [(split label, domain id, key, text or token ids)])`` in stream order."""
+               shard_bytes: int, eos: int | None = None
+               ) -> Iterator[tuple[int, list[tuple[int, int, str, Any]]]]:
+    """``(unit id, [(split label, domain id, key, text, token ids or InPlace)])`` in stream
+    order; with ``eos``, Megatron train documents ending with it become :class:`InPlace` runs."""
     items: list[tuple[int, int, str, Any]] = []
     size = unit = 0
     for i, doc in enumerate(docs):
-        payload = doc.text if doc.text is not None else np.asarray(doc.ids)
-        items.append((int(labels[i]), dom_index[doc.domain], doc.key, payload))
-        size += len(payload) if isinstance(payload, str) else 2 * payload.shape[0]
+        label, dom = int(labels[i]), dom_index[doc.domain]
+        origin = getattr(doc, "origin", None)
+        if (label == 0 and eos is not None and origin is not None and doc.ids.shape[0] and
+                int(doc.ids[-1]) == eos):
+            n = int(doc.ids.shape[0])
+            last = items[-1] if items else None
+            run = last[3] if last is not None and last[:2] == (0, dom) else None
+            if (isinstance(run, InPlace) and run.dataset == origin[0] and run.stop == origin[1]
+                    and run.start + run.ntok == origin[2]):
+                run.stop, run.ntok = origin[1] + 1, run.ntok + n
+                continue
+            items.append((0, dom, doc.key, InPlace(origin[0], origin[1], origin[1] + 1,
+                                                   origin[2], n)))
+            size += _RUN_BYTES
+        else:
+            payload = doc.text if doc.text is not None else np.asarray(doc.ids)
+            items.append((label, dom, doc.key, payload))
+            size += len(payload) if isinstance(payload, str) else 2 * payload.shape[0]
         if size >= shard_bytes:
             yield unit, items
             items, size, unit = [], 0, unit + 1
@@ -98,9 +136,14 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
             ids_of[k] = np.asarray(enc.ids, dtype=np.int64)
         start = end
     max_id = np.iinfo(dtype).max
-    pieces, lens, sections = [], [], []
+    pieces, lens, sections, inplace = [], [], [], []
     heldout = io.BytesIO()
     for k, (_, (label, dom, key, payload)) in enumerate(items):
+        if isinstance(payload, InPlace):
+            copied = sections[-1][2] if sections and sections[-1][:2] == [label, dom] else 0
+            inplace.append([label, dom, copied, payload.dataset, payload.first, payload.stop,
+                            payload.start, payload.ntok])
+            continue
         ids = ids_of[k] if isinstance(payload, str) else np.asarray(payload, dtype=np.int64)
         if ids.size and (int(ids.max()) > max_id or int(ids.min()) < 0):
             raise ValueError(f"token id {int(ids.max())} does not fit in {dtype}")
@@ -128,7 +171,10 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
     for name, data in blobs.items():
         atomic_write_bytes(out / name, data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    return {"unit": job["unit"], "sections": sections, "files": files}
+    meta = {"unit": job["unit"], "sections": sections, "files": files}
+    if inplace:
+        meta["inplace"] = inplace
+    return meta
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:

@@ -31,6 +31,7 @@ from remoe.data.config import DataConfig
 from remoe.data.docstream import stream_documents
 from remoe.data.documents import SPLITS
 from remoe.data.manifest import stage_key
+from remoe.data.megatron import external_entries, external_problem, megatron_prefixes
 from remoe.data.plan import build_plan, load_plan
 from remoe.data.shardindex import write_split_index
 from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units
@@ -96,6 +97,8 @@ def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
     for rel, meta in files.items():
         if file_problem(root / rel, meta, full=False) is not None:
             return None
+    if any(external_problem(e, full=False) for e in m.get("external", {}).values()):
+        return None
     return m
 
 
@@ -197,10 +200,12 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
 
     say(f"tokenising with {workers} worker(s) into shards of ~{shard_bytes:,} bytes of text")
     dom_index = {d: i for i, d in enumerate(domains)}
-    metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes), shard_dir,
+    external = megatron_prefixes(list(cfg.sources))
+    metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes,
+                                    eos[1] if external else None), shard_dir,
                          {"tokenizer_json": tok.to_str(), "eos_id": eos[1], "dtype": dtype.name,
                           "out_dir": str(shard_dir), "domains": domains}, workers, on_unit)
-    splits = {s: write_split_index(root, shard_dir, s, metas, domains) for s in SPLITS}
+    splits = {s: write_split_index(root, shard_dir, s, metas, domains, external) for s in SPLITS}
     shards = {name: meta for u in metas for name, meta in u["files"].items()
               if name.endswith(".bin")}
     m = {"format": STORE_FORMAT, "key": key, "dir": key[:16], "domains": domains,
@@ -219,6 +224,9 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                        "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
          "tokens": {"dtype": dtype.name, "splits": splits},
          "shards": shards}
+    used = sorted({n for e in splits.values() for n in e.get("external", ())})
+    if used:
+        m["external"] = external_entries(external, used)
     atomic_write_json(store / "manifest.json", m)
     for other in store.iterdir():  # earlier builds of other settings
         if other.is_dir() and other.name != root.name:
@@ -242,6 +250,10 @@ def verify_store(cache: Path) -> list[str]:
             problems.append(f"{rel}: {p}")
             if rel.startswith("shards/") and (root / rel).is_file():
                 os.unlink(root / rel)  # the next `remoe data` rebuilds that unit
+    for e in m.get("external", {}).values():
+        p = external_problem(e, full=True)
+        if p is not None:
+            problems.append(p)
     if problems and (store / "manifest.json").is_file():
         os.unlink(store / "manifest.json")
     return problems
