@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from remoe.data._io import atomic_write_bytes
+from remoe.data._io import atomic_open, atomic_write_bytes
 
 JOURNAL = "journal.jsonl"
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -115,59 +115,76 @@ def read_journal(directory: Path) -> dict[int, dict[str, Any]]:
 
 
 def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
-    """Tokenise one unit and write its three files; returns its journal entry."""
+    """Tokenise one unit and write its three files; returns its journal entry.
+
+    Documents are encoded in output order, ~1 MB of text per batch, and their tokens streamed
+    into the ``.bin`` (hashed as written); each text is dropped from ``job["items"]`` once it
+    is written, so memory is the unit's text and one batch, not the unit's tokens.
+    """
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(job["tokenizer_json"])
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     dtype = np.dtype(job["dtype"])
     eos = int(job["eos_id"])
-    items = sorted(enumerate(job["items"]), key=lambda t: (t[1][0], t[1][1], t[0]))
-    texts = [(k, it[3]) for k, (_, it) in enumerate(items) if isinstance(it[3], str)]
-    ids_of: dict[int, np.ndarray] = {}
-    start = 0
-    while start < len(texts):
-        end, chars = start, 0
-        while end < len(texts) and (end == start or chars < _ENCODE_BATCH_CHARS):
-            chars += len(texts[end][1])
-            end += 1
-        for (k, _), enc in zip(texts[start:end], encode([t for _, t in texts[start:end]],
-                                                        add_special_tokens=False)):
-            ids_of[k] = np.asarray(enc.ids, dtype=np.int64)
-        start = end
     max_id = np.iinfo(dtype).max
-    pieces, lens, sections, inplace = [], [], [], []
+    items = job["items"]
+    order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1], i))
+    lens: list[int] = []
+    sections: list[list[int]] = []
+    inplace: list[list[int]] = []
     heldout = io.BytesIO()
-    for k, (_, (label, dom, key, payload)) in enumerate(items):
-        if isinstance(payload, InPlace):
-            copied = sections[-1][2] if sections and sections[-1][:2] == [label, dom] else 0
-            inplace.append([label, dom, copied, payload.dataset, payload.first, payload.stop,
-                            payload.start, payload.ntok])
-            continue
-        ids = ids_of[k] if isinstance(payload, str) else np.asarray(payload, dtype=np.int64)
-        if ids.size and (int(ids.max()) > max_id or int(ids.min()) < 0):
-            raise ValueError(f"token id {int(ids.max())} does not fit in {dtype}")
-        if not (ids.size and int(ids[-1]) == eos and not isinstance(payload, str)):
-            ids = np.append(ids, eos)  # (a prepared Megatron document may end in EOS already)
-        pieces.append(ids.astype(dtype))
-        lens.append(ids.size)
-        if not sections or sections[-1][:2] != [label, dom]:
-            sections.append([label, dom, 0, 0, heldout.tell(), 0])
-        sec = sections[-1]
-        sec[2] += 1
-        sec[3] += int(ids.size)
-        if label != 0 and isinstance(payload, str):
-            rec = {"text": payload, "meta": {"pile_set_name": job["domains"][dom], "key": key}}
-            heldout.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
-            sec[5] = heldout.tell() - sec[4]
     out = Path(job["out_dir"])
-    blobs = {
-        unit_name(job["unit"], "lens.npy"): _npy_bytes(np.asarray(lens, dtype=np.int64)),
-        unit_name(job["unit"], "heldout.jsonl"): heldout.getvalue(),
-        unit_name(job["unit"], "bin"): (np.concatenate(pieces) if pieces else
-                                        np.zeros(0, dtype)).astype(dtype).tobytes(),
-    }
-    files = {}
+    bin_name = unit_name(job["unit"], "bin")
+    h = hashlib.sha256()
+    with atomic_open(out / bin_name) as binf:
+        pos = 0
+        while pos < len(order):
+            end, chars = pos, 0  # a batch: consecutive texts, ~1 MB
+            while (end < len(order) and isinstance(items[order[end]][3], str) and
+                   (end == pos or chars < _ENCODE_BATCH_CHARS)):
+                chars += len(items[order[end]][3])
+                end += 1
+            if end > pos:
+                encs = encode([items[order[j]][3] for j in range(pos, end)],
+                              add_special_tokens=False)
+                batch = [(order[j], enc.ids) for j, enc in zip(range(pos, end), encs)]
+                del encs
+            else:
+                batch, end = [(order[pos], None)], pos + 1
+            for i, ids in batch:
+                label, dom, key, payload = items[i]
+                items[i] = None  # its text is no longer needed
+                if isinstance(payload, InPlace):
+                    copied = (sections[-1][2] if sections and sections[-1][:2] == [label, dom]
+                              else 0)
+                    inplace.append([label, dom, copied, payload.dataset, payload.first,
+                                    payload.stop, payload.start, payload.ntok])
+                    continue
+                arr = np.asarray(ids if ids is not None else payload, dtype=np.int64)
+                if arr.size and (int(arr.max()) > max_id or int(arr.min()) < 0):
+                    raise ValueError(f"token id {int(arr.max())} does not fit in {dtype}")
+                if not (arr.size and int(arr[-1]) == eos and ids is None):
+                    arr = np.append(arr, eos)  # (a prepared Megatron document may end in EOS)
+                data = arr.astype(dtype).tobytes()
+                binf.write(data)
+                h.update(data)
+                lens.append(arr.size)
+                if not sections or sections[-1][:2] != [label, dom]:
+                    sections.append([label, dom, 0, 0, heldout.tell(), 0])
+                sec = sections[-1]
+                sec[2] += 1
+                sec[3] += int(arr.size)
+                if label != 0 and isinstance(payload, str):
+                    rec = {"text": payload,
+                           "meta": {"pile_set_name": job["domains"][dom], "key": key}}
+                    heldout.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
+                    sec[5] = heldout.tell() - sec[4]
+            pos = end
+        n_bin = binf.tell()
+    files = {bin_name: {"sha256": h.hexdigest(), "bytes": n_bin}}
+    blobs = {unit_name(job["unit"], "lens.npy"): _npy_bytes(np.asarray(lens, dtype=np.int64)),
+             unit_name(job["unit"], "heldout.jsonl"): heldout.getvalue()}
     for name, data in blobs.items():
         atomic_write_bytes(out / name, data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
