@@ -122,8 +122,14 @@ def all_files(m: dict[str, Any]) -> dict[str, Any]:
     return files
 
 
-def _docs(cfg: DataConfig, root: Path, found: dict | None = None):
-    return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found)
+DEDUP_FILE = "plan.dedup.u8"  # the plan pass's deduplication answers, replayed by the others
+
+
+def _docs(cfg: DataConfig, root: Path, found: dict | None = None, *, plan: bool = False):
+    replay = root / DEDUP_FILE
+    return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found,
+                            record=replay if plan else None,
+                            replay=replay if not plan and replay.is_file() else None)
 
 
 def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: Callable,
@@ -179,7 +185,7 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
         say(f"planning splits from {list(cfg.sources)} (<= {cfg.max_bytes_per_domain:,} "
             "bytes/domain)")
         found: dict[str, list] = {}
-        build_plan(_docs(cfg, root, found), root, cfg.val_fraction, cfg.test_fraction,
+        build_plan(_docs(cfg, root, found, plan=True), root, cfg.val_fraction, cfg.test_fraction,
                    list(cfg.sources), found)
         loaded = load_plan(root)
         assert loaded is not None
