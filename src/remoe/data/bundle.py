@@ -45,7 +45,8 @@ class DataBundle:
         if name not in self._stores and self.store_root is not None:
             m = self.manifest
             self._stores[name] = ShardedStore(self.store_root, name, self.domains,
-                                              m["tokens"]["splits"][name], m["shards"], m["dtype"])
+                                              m["tokens"]["splits"][name], m["shards"], m["dtype"],
+                                              m.get("external"))
         elif name not in self._stores:
             self._stores[name] = TokenStore(self.cache_dir / "tokens", name, self.domains)
         return self._stores[name]

@@ -6,12 +6,17 @@ buffer, merged into one sorted in-memory run, and that run is written to disk as
 (disk runs memory-mapped). Memory is bounded by ``max_memory_entries * 8`` bytes plus the
 page cache the kernel gives the mapped runs; disk holds 8 bytes per unique document. Two
 different texts share a fingerprint with probability ~n^2 / 2^65 (1e-4 at 50M documents).
+
+Only the plan pass fingerprints: it records every answer (:class:`RecordedFingerprints`, one
+byte per document offered), and the later passes over the same stream replay them
+(:class:`ReplayedFingerprints`), so they hold no fingerprint set at all.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -65,3 +70,42 @@ class SeenFingerprints:
             return False
         self.add(fp)
         return True
+
+
+class RecordedFingerprints:
+    """:class:`SeenFingerprints` whose every answer is also written, one byte each (1 new,
+    0 duplicate), to ``out``: the plan pass records them so that later passes replay them."""
+
+    def __init__(self, seen: SeenFingerprints, out: BinaryIO):
+        self.seen = seen
+        self.out = out
+
+    def add_if_new(self, text: str) -> bool:
+        new = self.seen.add_if_new(text)
+        self.out.write(b"\x01" if new else b"\x00")
+        return new
+
+
+class ReplayedFingerprints:
+    """The answers a :class:`RecordedFingerprints` wrote, in order, read back in 64 KiB blocks:
+    no fingerprint is computed or held (memory and time do not grow with the corpus)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = open(self.path, "rb")
+        self._buf = b""
+        self._pos = 0
+
+    def add_if_new(self, text: str) -> bool:
+        if self._pos >= len(self._buf):
+            self._buf, self._pos = self._f.read(1 << 16), 0
+            if not self._buf:
+                from remoe.data.errors import DataError
+
+                raise DataError(f"{self.path} ends early: the data sources changed since the "
+                                "plan was made; run `remoe data` again")
+        self._pos += 1
+        return self._buf[self._pos - 1] == 1
+
+    def close(self) -> None:
+        self._f.close()

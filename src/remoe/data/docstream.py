@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from remoe.data.builtin import BuiltinSource, builtin_sources
 from remoe.data.corpus import SourceSpec, budget_order, parse_source
-from remoe.data.dedup import SeenFingerprints
+from remoe.data._io import atomic_open
+from remoe.data.dedup import RecordedFingerprints, ReplayedFingerprints, SeenFingerprints
 from remoe.data.documents import Document
 from remoe.data.userdata import read_user_source
 
@@ -32,10 +33,10 @@ log = logging.getLogger("remoe.data")
 class StreamBudget:
     """Greedy per-domain byte budget with exact-duplicate removal (fingerprints only)."""
 
-    def __init__(self, max_bytes: int, spill_dir: Path):
+    def __init__(self, max_bytes: int, spill_dir: Path, seen: Any = None):
         self.max_bytes = max_bytes
         self.used_bytes: dict[str, int] = {}
-        self.seen = SeenFingerprints(spill_dir)
+        self.seen = seen if seen is not None else SeenFingerprints(spill_dir)
         self.duplicates = 0
         self.too_big_bytes: list[int] = []
 
@@ -93,21 +94,43 @@ def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str]
 
 
 def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: Path,
-                     found: dict[str, list] | None = None) -> Iterator[Document]:
+                     found: dict[str, list] | None = None, *, record: Path | None = None,
+                     replay: Path | None = None) -> Iterator[Document]:
     """Kept documents of ``sources`` in stream order (see the module docstring).
 
     ``found`` (optional) receives ``used`` / ``missing`` source names and ``licences``.
+    ``record``: write the deduplication answers there (atomically, when the stream ends);
+    ``replay``: take them from there instead of fingerprinting (:mod:`remoe.data.dedup`).
     A Megatron indexed dataset yields :class:`~remoe.data.megatron.TokenDocument` s (token
     ids, no text; no budget or deduplication: they were prepared already).
     """
-    from remoe.data.megatron import is_megatron_spec
-
     found = found if found is not None else {}
     for k in ("used", "missing", "licences"):
         found.setdefault(k, [])
-    budget = StreamBudget(max_bytes_per_domain, spill_dir)
+    if record is not None:
+        with atomic_open(record) as out:
+            seen = RecordedFingerprints(SeenFingerprints(spill_dir), out)
+            yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
+                               found)
+    elif replay is not None:
+        seen = ReplayedFingerprints(replay)
+        try:
+            yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
+                               found)
+        finally:
+            seen.close()
+    else:
+        yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir), found)
+
+
+def _stream(sources: list[str], budget: StreamBudget, found: dict[str, list]
+            ) -> Iterator[Document]:
+    from remoe.data.megatron import is_megatron_spec
+
+    max_bytes_per_domain = budget.max_bytes
     seen_builtin: set[str] = set()
     roots: dict[str, int] = {}
+    n_megatron = 0
     for spec in (parse_source(s) for s in sources):
         if spec.kind == "builtin":
             yield from _builtin_docs(spec, budget, seen_builtin, found)
@@ -119,7 +142,9 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
             found["used"].append(spec.describe())
             prefix = megatron_prefix(spec.path)
             assert prefix is not None
-            yield from read_megatron(prefix, spec.domain or prefix.name)  # no budget, no dedup
+            # no budget, no dedup; numbered in source order (remoe.data.megatron)
+            yield from read_megatron(prefix, spec.domain or prefix.name, n_megatron)
+            n_megatron += 1
             continue
         found["used"].append(spec.describe())
         root = Path(spec.path).resolve().name

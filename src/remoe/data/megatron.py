@@ -6,6 +6,11 @@ sequence count and the document count (``uint64`` each), then ``int32`` sequence
 ``int64`` byte offsets of the sequences in ``.bin``, and ``int64`` document boundaries (in
 sequences, starting at 0). Every array is memory-mapped: opening costs the same at any size.
 A document is the tokens of its sequences; its key is ``NAME:<index>``.
+
+Train documents that already end with the end-of-text token are *referenced* by the store, not
+copied (:mod:`remoe.data.shards`): each such document carries its ``origin`` (the dataset's
+number among the Megatron sources, its index, its first token in ``.bin``), and training reads
+the ``.bin`` memory-mapped in place.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class TokenDocument:
     domain: str
     key: str
     ids: np.ndarray
+    origin: tuple[int, int, int] | None = None  # (dataset number, document, first token)
 
     @property
     def num_bytes(self) -> int:
@@ -89,17 +95,82 @@ class MegatronDataset:
     def num_docs(self) -> int:
         return max(0, int(self.doc_bounds.shape[0]) - 1)
 
-    def document(self, i: int) -> np.ndarray:
+    def span(self, i: int) -> tuple[int, int]:
+        """Document ``i`` is tokens ``[start, end)`` of ``.bin``."""
         a, b = int(self.doc_bounds[i]), int(self.doc_bounds[i + 1])
         if b <= a:
-            return np.zeros(0, dtype=self.dtype)
+            return 0, 0
         start = int(self.seq_pointers_bytes[a]) // self.dtype.itemsize
-        end = int(self.seq_pointers_bytes[b - 1]) // self.dtype.itemsize + int(
+        return start, int(self.seq_pointers_bytes[b - 1]) // self.dtype.itemsize + int(
             self.seq_lengths[b - 1])
+
+    def document(self, i: int) -> np.ndarray:
+        start, end = self.span(i)
         return np.asarray(self.tokens[start:end])
 
+    def doc_lengths(self, first: int, stop: int) -> np.ndarray:
+        """``int64`` token counts of documents ``[first, stop)`` (memory: those only)."""
+        b = np.asarray(self.doc_bounds[first: stop + 1], dtype=np.int64)
+        n_seq = self.seq_lengths.shape[0]
+        if n_seq == 0:
+            return np.zeros(stop - first, dtype=np.int64)
+        lo, hi = b[:-1].clip(0, n_seq - 1), (b[1:] - 1).clip(0, n_seq - 1)
+        size = self.dtype.itemsize
+        ptr = self.seq_pointers_bytes
+        ends = np.asarray(ptr[hi], dtype=np.int64) // size + np.asarray(
+            self.seq_lengths[hi], dtype=np.int64)
+        return np.where(b[1:] > b[:-1], ends - np.asarray(ptr[lo], dtype=np.int64) // size, 0)
 
-def read_megatron(prefix: Path, domain: str) -> Iterator[TokenDocument]:
+
+def megatron_prefixes(sources: list[str]) -> list[Path]:
+    """The Megatron datasets among ``sources``, in order: their *dataset numbers*."""
+    from remoe.data.corpus import parse_source
+
+    out = []
+    for s in sources:
+        spec = parse_source(s)
+        if is_megatron_spec(spec):
+            prefix = megatron_prefix(str(spec.path))
+            assert prefix is not None
+            out.append(prefix)
+    return out
+
+
+def read_megatron(prefix: Path, domain: str, number: int = 0) -> Iterator[TokenDocument]:
     ds = MegatronDataset(prefix)
     for i in range(ds.num_docs):
-        yield TokenDocument(domain, f"{prefix.name}:{i}", ds.document(i))
+        start, end = ds.span(i)
+        yield TokenDocument(domain, f"{prefix.name}:{i}", np.asarray(ds.tokens[start:end]),
+                            (number, i, start))
+
+
+def external_entries(prefixes: list[Path], used: list[int]) -> dict[str, dict]:
+    """The manifest's record of the Megatron ``.bin`` files a store reads in place: path,
+    dtype, size, modification time and sha256 (computed once, here)."""
+    from remoe.data._io import sha256_file
+
+    out = {}
+    for n in used:
+        ds = MegatronDataset(prefixes[n])
+        path = Path(f"{prefixes[n]}.bin").resolve()
+        st = path.stat()
+        out[str(n)] = {"path": str(path), "dtype": ds.dtype.name, "bytes": st.st_size,
+                       "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+    return out
+
+
+def external_problem(entry: dict, *, full: bool) -> str | None:
+    """None when the in-place ``.bin`` of ``entry`` is as recorded (size and modification
+    time; its sha256 too with ``full``), else why not."""
+    from remoe.data._io import sha256_file
+
+    path = Path(entry["path"])
+    if not path.is_file():
+        return f"{path} (read in place) is missing"
+    st = path.stat()
+    if st.st_size != entry["bytes"] or st.st_mtime_ns != entry["mtime_ns"]:
+        return (f"{path} (read in place) changed since the store was built ({st.st_size} bytes, "
+                f"recorded {entry['bytes']})")
+    if full and sha256_file(path) != entry["sha256"]:
+        return f"{path} (read in place) does not match its sha256 (corrupt)"
+    return None

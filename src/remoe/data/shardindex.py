@@ -4,7 +4,9 @@ A split's tokens are a *virtual* array: domain by domain (sorted), the domain's 
 every unit in unit order. Under ``index/``:
 
 * ``S.segments.npy``    -- ``int64 [n, 4]``: virtual start, unit id, start inside the unit's
-  ``.bin`` (tokens), length (tokens); one row per (domain, unit) section;
+  ``.bin`` (tokens), length (tokens); one row per (domain, unit) section, or per part of it
+  between in-place runs; an in-place run's row has unit ``-1 - n`` for Megatron dataset ``n``
+  and its start in that dataset's ``.bin``;
 * ``S.doc_offsets.npy`` -- ``int64 [docs + 1]``: document ``i`` is virtual ``[o[i], o[i+1])``;
 * ``S.doc_domains.npy`` -- ``int32 [docs]``: index into the domain list;
 * ``heldout/S.jsonl``   -- validation and test only: the documents' text in the same order.
@@ -35,16 +37,30 @@ def _section_positions(meta: dict[str, Any]) -> list[tuple[int, int, int, int, i
     return out
 
 
-def write_split_index(root: Path, shard_dir: Path, split: str, metas: list[dict[str, Any]],
-                      domains: list[str]) -> dict[str, Any]:
-    """Write the index files of ``split``; returns its manifest entry."""
-    label = SPLITS.index(split)
-    by_dom: dict[int, list[tuple[int, tuple]]] = {}
+def _by_domain(metas: list[dict[str, Any]], label: int) -> dict[int, dict[int, list]]:
+    """``{domain: {unit: [section position or None, in-place runs]}}`` of one split."""
+    by_dom: dict[int, dict[int, list]] = {}
     for meta in metas:
+        unit = int(meta["unit"])
         for pos in _section_positions(meta):
             if pos[0] == label:
-                by_dom.setdefault(pos[1], []).append((int(meta["unit"]), pos))
-    n_docs = sum(p[2] for secs in by_dom.values() for _, p in secs)
+                by_dom.setdefault(pos[1], {}).setdefault(unit, [None, []])[0] = pos
+        for run in meta.get("inplace", ()):
+            if run[0] == label:
+                by_dom.setdefault(run[1], {}).setdefault(unit, [None, []])[1].append(run)
+    return by_dom
+
+
+def write_split_index(root: Path, shard_dir: Path, split: str, metas: list[dict[str, Any]],
+                      domains: list[str], external: list[Path] = ()) -> dict[str, Any]:
+    """Write the index files of ``split``; returns its manifest entry. ``external``: the
+    Megatron datasets in-place runs refer to (by number); a segment of one has unit ``-1 - n``."""
+    from remoe.data.megatron import MegatronDataset
+
+    label = SPLITS.index(split)
+    by_dom = _by_domain(metas, label)
+    n_docs = sum((pos[2] if pos else 0) + sum(r[5] - r[4] for r in runs)
+                 for units in by_dom.values() for pos, runs in units.values())
     index = root / "index"
     index.mkdir(parents=True, exist_ok=True)
     segments, ranges = [], {}
@@ -55,18 +71,38 @@ def write_split_index(root: Path, shard_dir: Path, split: str, metas: list[dict[
     doms = np.lib.format.open_memmap(tmp_dom, mode="w+", dtype=np.int32, shape=(n_docs,))
     offsets[0] = 0
     vstart = doc = 0
+    datasets: dict[int, Any] = {}
+
+    def emit(lens: np.ndarray, dom: int, segment: tuple[int, int, int]) -> None:
+        nonlocal vstart, doc
+        n = lens.shape[0]
+        offsets[doc + 1: doc + 1 + n] = vstart + np.cumsum(lens)
+        doms[doc: doc + n] = dom
+        segments.append((vstart, *segment))
+        vstart += segment[2]
+        doc += n
+
     for dom in sorted(by_dom):
-        a = vstart
-        for unit, (_, _, ndocs, ntok, doc0, tok0, _, _) in by_dom[dom]:
-            lens = np.load(shard_dir / unit_name(unit, "lens.npy"), mmap_mode="r")
-            offsets[doc + 1: doc + 1 + ndocs] = vstart + np.cumsum(lens[doc0: doc0 + ndocs])
-            doms[doc: doc + ndocs] = dom
-            segments.append((vstart, unit, tok0, ntok))
-            vstart += ntok
-            doc += ndocs
+        a, d0 = vstart, doc
+        for unit, (pos, runs) in sorted(by_dom[dom].items()):
+            lens = np.zeros(0, np.int64) if pos is None else np.load(
+                shard_dir / unit_name(unit, "lens.npy"), mmap_mode="r")
+            ndocs, doc0, tok0 = (0, 0, 0) if pos is None else (pos[2], pos[4], pos[5])
+            done = 0
+            for run in [*runs, None]:  # copied documents and in-place runs in stream order
+                upto = ndocs if run is None else run[2]
+                if upto > done:
+                    part = np.asarray(lens[doc0 + done: doc0 + upto], dtype=np.int64)
+                    skip = int(np.sum(lens[doc0: doc0 + done], dtype=np.int64))
+                    emit(part, dom, (unit, tok0 + skip, int(part.sum())))
+                    done = upto
+                if run is not None:
+                    ds = datasets.get(run[3]) or datasets.setdefault(
+                        run[3], MegatronDataset(external[run[3]]))
+                    emit(ds.doc_lengths(run[4], run[5]), dom, (-1 - run[3], run[6], run[7]))
         ranges[domains[dom]] = [a, vstart]
         tok_per_dom[domains[dom]] = vstart - a
-        docs_per_dom[domains[dom]] = sum(p[2] for _, p in by_dom[dom])
+        docs_per_dom[domains[dom]] = doc - d0
     offsets.flush()
     doms.flush()
     del offsets, doms
@@ -82,18 +118,23 @@ def write_split_index(root: Path, shard_dir: Path, split: str, metas: list[dict[
     files[f"index/{p.name}"] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     if split != "train":
         files.update(_write_heldout(root, shard_dir, split, by_dom))
-    return {"num_tokens": int(vstart), "num_docs": int(n_docs), "tokens_per_domain": tok_per_dom,
-            "docs_per_domain": docs_per_dom, "domain_ranges": ranges,
-            "units": sorted({u for secs in by_dom.values() for u, _ in secs}), "files": files}
+    out = {"num_tokens": int(vstart), "num_docs": int(n_docs), "tokens_per_domain": tok_per_dom,
+           "docs_per_domain": docs_per_dom, "domain_ranges": ranges,
+           "units": sorted({u for units in by_dom.values() for u, (pos, _) in units.items()
+                            if pos is not None}), "files": files}
+    if datasets:
+        out["external"] = sorted(datasets)
+    return out
 
 
 def _write_heldout(root: Path, shard_dir: Path, split: str,
-                   by_dom: dict[int, list]) -> dict[str, Any]:
+                   by_dom: dict[int, dict[int, list]]) -> dict[str, Any]:
     path = root / "heldout" / f"{split}.jsonl"
     h = hashlib.sha256()
     with atomic_open(path) as out:
         for dom in sorted(by_dom):
-            for unit, (*_, h0, hlen) in by_dom[dom]:
+            for unit, (pos, _) in sorted(by_dom[dom].items()):
+                h0, hlen = (0, 0) if pos is None else pos[6:8]
                 if hlen:
                     with open(shard_dir / unit_name(unit, "heldout.jsonl"), "rb") as f:
                         f.seek(h0)

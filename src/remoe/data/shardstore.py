@@ -5,6 +5,9 @@ the cost does not grow with the data. Shards are memory-mapped the first time a 
 them, and each is checked against the sha256 recorded when it was written before its first
 use in this process, so a damaged shard stops the run (one line naming it) before a step uses
 it. The document index (``doc_offsets`` / ``doc_domains``) is mapped, and checked, on first use.
+Segments of unit ``-1 - n`` are read in place from Megatron dataset ``n``'s ``.bin`` (the
+manifest's ``external``), checked by size and modification time when first mapped (its sha256
+is checked by ``remoe data --verify``).
 Chunks and batches are exactly those of :class:`remoe.data.store.TokenStore`: chunks of
 ``seq_len + 1`` tokens cut domain by domain from the virtual array.
 """
@@ -45,8 +48,9 @@ class ShardedStore:
     """The tokens of one split of a sharded store (see the module docstring)."""
 
     def __init__(self, root: str | Path, split: str, domains: list[str], entry: dict[str, Any],
-                 shard_files: dict[str, Any], dtype: str):
+                 shard_files: dict[str, Any], dtype: str, external: dict[str, Any] | None = None):
         self.root = Path(root)
+        self._external = dict(external or {})
         self.name = split
         self.domains = list(domains)
         self._entry = entry
@@ -64,7 +68,7 @@ class ShardedStore:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"args": (self.root, self.name, self.domains, self._entry, self._shard_files,
-                         self._dtype.name)}
+                         self._dtype.name, self._external)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(*state["args"])  # type: ignore[misc]
@@ -77,7 +81,17 @@ class ShardedStore:
 
     def _shard(self, unit: int) -> np.ndarray:
         arr = self._maps.get(unit)
-        if arr is None:
+        if arr is None and unit < 0:
+            from remoe.data.megatron import external_problem
+
+            entry = self._external[str(-1 - unit)]
+            problem = external_problem(entry, full=False)
+            if problem is not None:
+                raise DataError(f"data store {self.root}: {problem}; run `remoe data` to "
+                                "rebuild it")
+            arr = np.memmap(entry["path"], dtype=np.dtype(entry["dtype"]), mode="r")
+            self._maps[unit] = arr
+        elif arr is None:
             name = unit_name(unit, "bin")
             path = self.root / "shards" / name
             self._check(path, self._shard_files[name])

@@ -31,6 +31,7 @@ from remoe.data.config import DataConfig
 from remoe.data.docstream import stream_documents
 from remoe.data.documents import SPLITS
 from remoe.data.manifest import stage_key
+from remoe.data.megatron import external_entries, external_problem, megatron_prefixes
 from remoe.data.plan import build_plan, load_plan
 from remoe.data.shardindex import write_split_index
 from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units
@@ -96,6 +97,8 @@ def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
     for rel, meta in files.items():
         if file_problem(root / rel, meta, full=False) is not None:
             return None
+    if any(external_problem(e, full=False) for e in m.get("external", {}).values()):
+        return None
     return m
 
 
@@ -119,8 +122,14 @@ def all_files(m: dict[str, Any]) -> dict[str, Any]:
     return files
 
 
-def _docs(cfg: DataConfig, root: Path, found: dict | None = None):
-    return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found)
+DEDUP_FILE = "plan.dedup.u8"  # the plan pass's deduplication answers, replayed by the others
+
+
+def _docs(cfg: DataConfig, root: Path, found: dict | None = None, *, plan: bool = False):
+    replay = root / DEDUP_FILE
+    return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found,
+                            record=replay if plan else None,
+                            replay=replay if not plan and replay.is_file() else None)
 
 
 def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: Callable,
@@ -176,7 +185,7 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
         say(f"planning splits from {list(cfg.sources)} (<= {cfg.max_bytes_per_domain:,} "
             "bytes/domain)")
         found: dict[str, list] = {}
-        build_plan(_docs(cfg, root, found), root, cfg.val_fraction, cfg.test_fraction,
+        build_plan(_docs(cfg, root, found, plan=True), root, cfg.val_fraction, cfg.test_fraction,
                    list(cfg.sources), found)
         loaded = load_plan(root)
         assert loaded is not None
@@ -197,10 +206,12 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
 
     say(f"tokenising with {workers} worker(s) into shards of ~{shard_bytes:,} bytes of text")
     dom_index = {d: i for i, d in enumerate(domains)}
-    metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes), shard_dir,
+    external = megatron_prefixes(list(cfg.sources))
+    metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes,
+                                    eos[1] if external else None), shard_dir,
                          {"tokenizer_json": tok.to_str(), "eos_id": eos[1], "dtype": dtype.name,
                           "out_dir": str(shard_dir), "domains": domains}, workers, on_unit)
-    splits = {s: write_split_index(root, shard_dir, s, metas, domains) for s in SPLITS}
+    splits = {s: write_split_index(root, shard_dir, s, metas, domains, external) for s in SPLITS}
     shards = {name: meta for u in metas for name, meta in u["files"].items()
               if name.endswith(".bin")}
     m = {"format": STORE_FORMAT, "key": key, "dir": key[:16], "domains": domains,
@@ -219,6 +230,9 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                        "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
          "tokens": {"dtype": dtype.name, "splits": splits},
          "shards": shards}
+    used = sorted({n for e in splits.values() for n in e.get("external", ())})
+    if used:
+        m["external"] = external_entries(external, used)
     atomic_write_json(store / "manifest.json", m)
     for other in store.iterdir():  # earlier builds of other settings
         if other.is_dir() and other.name != root.name:
@@ -242,6 +256,10 @@ def verify_store(cache: Path) -> list[str]:
             problems.append(f"{rel}: {p}")
             if rel.startswith("shards/") and (root / rel).is_file():
                 os.unlink(root / rel)  # the next `remoe data` rebuilds that unit
+    for e in m.get("external", {}).values():
+        p = external_problem(e, full=True)
+        if p is not None:
+            problems.append(p)
     if problems and (store / "manifest.json").is_file():
         os.unlink(store / "manifest.json")
     return problems
