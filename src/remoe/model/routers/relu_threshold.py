@@ -150,25 +150,29 @@ class ReLUThresholdRouter(Router):
                 pending = torch.zeros(2 * n + 1, dtype=torch.float64,
                                       device=self.threshold_N.device)
             dist.all_reduce(pending)
-        if pending is None or pending[-1] <= 0 or num_tokens <= 0:
+        if pending is None or num_tokens <= 0:
             return
-        stats = (pending[:-1] / pending[-1]).cpu()
+        # on the buffers' device, with no host synchronisation (a step whose ranks made no
+        # training forward has pending[-1] == 0: nothing changes)
+        dev = self.threshold_N.device
+        pending = pending.to(dev)
+        fresh = pending[-1] > 0
+        stats = pending[:-1] / pending[-1].clamp(min=1.0)
         mean_N, std_N = stats[:n], stats[n:]
-        err_N = load_error(counts_N.cpu(), num_tokens, self.target_density)
-        if int(self.threshold_updates) == 0:  # no location yet: this step's
-            old_mean_N, old_std_N = mean_N, std_N
-        else:
-            old_mean_N = self.logit_mean_N.cpu().to(torch.float64)
-            old_std_N = self.logit_std_N.cpu().to(torch.float64)
-            mean_N = self.decay * old_mean_N + (1.0 - self.decay) * mean_N
-            std_N = self.decay * old_std_N + (1.0 - self.decay) * std_N
+        err_N = load_error(counts_N.to(dev), num_tokens, self.target_density)
+        first = self.threshold_updates == 0  # no location yet: this step's
+        old_mean_N = torch.where(first, mean_N, self.logit_mean_N.to(mean_N))
+        old_std_N = torch.where(first, std_N, self.logit_std_N.to(std_N))
+        mean_N = self.decay * old_mean_N + (1.0 - self.decay) * mean_N
+        std_N = self.decay * old_std_N + (1.0 - self.decay) * std_N
         # the threshold's place in its logits' distribution, in spreads above their mean
-        u_N = (self.threshold_N.cpu().to(torch.float64) - old_mean_N) / old_std_N.clamp(min=TINY)
+        u_N = (self.threshold_N.to(mean_N) - old_mean_N) / old_std_N.clamp(min=TINY)
         u_N = u_N + self.threshold_rate * err_N
-        self.threshold_N.copy_((mean_N + std_N.clamp(min=TINY) * u_N).to(self.threshold_N))
-        self.logit_mean_N.copy_(mean_N.to(self.logit_mean_N))
-        self.logit_std_N.copy_(std_N.to(self.logit_std_N))
-        self.threshold_updates.add_(1)
+        theta_N = mean_N + std_N.clamp(min=TINY) * u_N
+        for buf, new in ((self.threshold_N, theta_N), (self.logit_mean_N, mean_N),
+                         (self.logit_std_N, std_N)):
+            buf.copy_(torch.where(fresh, new.to(buf), buf))
+        self.threshold_updates.add_(fresh.to(torch.int64))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, target_density={self.target_density}, "
