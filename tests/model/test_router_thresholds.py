@@ -338,3 +338,41 @@ def test_expert_threshold_averages_the_quantiles_over_ranks(tmp_path):
     mp.start_processes(_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
+
+
+def _relu_two_rank_worker(rank: int, world: int, root: str) -> None:
+    import pathlib
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank,
+                            world_size=world)
+    try:
+        r = ReLUThresholdRouter(2, 2, 1 / 2, threshold_rate=0.1, threshold_ema_decay=0.0)
+        with torch.no_grad():
+            r.weight.copy_(torch.eye(2))
+        # rank 0's tokens have logit means (1, 0), rank 1's (3, 2); every std sqrt(2)
+        x = torch.tensor([[0.0, -1.0], [2.0, 1.0]]) + 2.0 * rank
+        r.train()
+        with torch.enable_grad():
+            r(x, _ctx(2))
+        r.after_step_with_tokens(torch.tensor([2.0, 6.0]), 8)  # errors -0.5, +0.5
+        s = math.sqrt(2)
+        # the first update: theta = mean over ranks (2, 1) + s * ((0 - mean) / s + 0.1 * err)
+        assert r.threshold_N.tolist() == pytest.approx([-0.05 * s, 0.05 * s], abs=1e-6)
+        assert r.logit_mean_N.tolist() == pytest.approx([2.0, 1.0])
+        r.after_step_with_tokens(torch.tensor([4.0, 4.0]), 8)  # no forward on either rank
+        assert int(r.threshold_updates) == 1
+        (pathlib.Path(root) / f"ok-{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_relu_threshold_averages_the_logit_statistics_over_ranks(tmp_path):
+    """Data-parallel ranks fold the same mean statistics in (every rank's thresholds agree)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_relu_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
