@@ -123,3 +123,37 @@ def test_settling_step_comes_after_the_last_excursion():
     s2[-3:] = 0.5
     assert detect_stages(steps, s2, TARGET, tol=0.02, window=10, smooth=1).settle_step is None
     assert band_excursions(steps, s2, TARGET, 0.02)[-1] == (298, 300)
+
+
+def test_fixed_sparsity_has_no_settling_to_report(tmp_path):
+    """A router that fixes k logs the same sparsity every step (``fixed``: the summary, the
+    study tables and the report say n/a); a router whose sparsity a controller holds -- the
+    lambda or, with no lambda, the thresholds -- reports its settling step like ReMoE's."""
+    import json
+
+    from remoe.lab.analysis.report_sections import settling_cell
+    from remoe.method.stages import sparsity_is_fixed
+    from remoe.train.metrics import logged_stages
+
+    steps = np.arange(1, 201)
+    topk = detect_stages(steps, np.full(200, TARGET), TARGET, smooth=1, tol=0.01)
+    assert topk.fixed and topk.reported_settle_step is None and topk.settle_step == 1
+    assert sparsity_is_fixed([TARGET, np.nan, TARGET]) and not sparsity_is_fixed([np.nan])
+    # a threshold router: no lambda, dense at first, on target from step 61 (noisy)
+    rng = np.random.default_rng(0)
+    s = np.where(steps <= 60, 0.5, TARGET) + rng.uniform(-0.005, 0.005, 200)
+    thr = detect_stages(steps, s, TARGET, np.zeros(200), np.full(200, 4.0))
+    assert not thr.fixed and thr.reported_settle_step == thr.settle_step
+    assert 61 <= thr.settle_step <= 64 and thr.stage2_start == thr.settle_step  # no stage II
+    assert settling_cell("relu_threshold", thr.to_dict()) == thr.settling_time
+    assert settling_cell("topk", topk.to_dict()) == "n/a (sparsity fixed by the router)"
+    assert settling_cell("topk", {}) == "n/a (sparsity fixed by the router)"  # older records
+    # the trainer's end-of-run summary reads the same from metrics.jsonl
+    for name, curve in (("topk", np.full(200, TARGET)), ("thr", s)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": int(i), "sparsity": float(v), "lambda": 0.0, "reg_loss": 0.0,
+                        "lm_loss": 4.0}) + "\n" for i, v in zip(steps, curve)))
+    assert logged_stages(tmp_path / "topk", TARGET) is None
+    assert logged_stages(tmp_path / "thr", TARGET).settle_step == thr.settle_step

@@ -43,8 +43,11 @@ def test_mean_and_sample_std_over_seeds(write_spec, tmp_path):
     assert mean_std([4.0, None, float("nan")]) == (4.0, None, 1)  # one seed: no spread
 
 
-def test_relu_columns_from_metrics(write_spec, tmp_path):
-    spec = load_spec(write_spec({"groups": [{"name": "g", "set": {"model.router": "relu"}}]}))
+@pytest.mark.parametrize("router", ["relu", "relu_threshold"])
+def test_relu_columns_from_metrics(router, write_spec, tmp_path):
+    """The sparsity-control columns for every run whose sparsity varies: ReMoE's (held by
+    lambda) and a threshold router's (no lambda: the same settling step)."""
+    spec = load_spec(write_spec({"groups": [{"name": "g", "set": {"model.router": router}}]}))
     run = spec.runs[0]  # micro: 2 layers, E=4, target sparsity 0.75
     metrics = []
     for step in range(1, 41):
@@ -64,6 +67,7 @@ def test_relu_columns_from_metrics(write_spec, tmp_path):
     assert row["flops_to_settle"] == 1200.0  # FLOPs of steps 1-12
     assert row["layer_sparsity"] == "0.7000/0.8000"
     assert row["layer_dev_max"] == pytest.approx(0.05)
+    assert row["settles"] is True
     assert row["lambda_log10_amp"] == pytest.approx(1.0)
     # second half = steps 21-40: the lambda spike at 30 is in it; layer 1 had 2 dead experts
     # in steps 31-40, none before: (0 * 20 + 2 * 10) / 40 layer-steps
@@ -72,7 +76,19 @@ def test_relu_columns_from_metrics(write_spec, tmp_path):
     assert (row["inactive_experts"], row["num_experts_total"], row["inactive_source"]) == \
         (1, 8, "expert_counts")
     assert row["inactive_floor"] == 0  # one expert per token in each layer: room for 64
-    assert "Sparsity control" in md.read_text()
+    text = md.read_text()
+    assert "Sparsity control" in text and f"| `{run.label}` | 1/1 | 13 | 1.2e+03 |" in text
+
+
+def test_no_sparsity_control_table_for_a_fixed_k(write_spec, tmp_path):
+    spec = load_spec(write_spec({"groups": [{"name": "g", "set": {"model.router": "topk"}}]}))
+    metrics = [{"step": i, "flops": 1.0 * i, "sparsity": 0.75, "layer_sparsity": [0.75, 0.75],
+                "lambda": 0.0, "reg_loss": 0.0, "lm_loss": 5.0, "step_tokens": 64,
+                "expert_counts": [[16, 16, 16, 16], [16, 16, 16, 16]]} for i in range(1, 41)]
+    _fake_run(tmp_path / "out" / "runs", spec.runs[0], 4.0, {}, metrics)
+    _, md, rows = write_results(spec, tmp_path / "out", None)
+    assert rows[0].get("settle_step") is None and "settles" not in rows[0]
+    assert "Sparsity control" not in md.read_text()
 
 
 def test_inactive_floor_counts_what_the_layer_densities_force():

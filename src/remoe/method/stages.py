@@ -18,6 +18,11 @@ regularisation term R_i = lambda_i * L_reg,i and the LM loss L_lm,i:
   stages I and II.
 * **Settling time** = s_{j2} - s_1: the number of steps of stages I + II (with a log that
   starts at step 1, the steps before the settling step).
+* **Which runs report one**: every run whose logged sparsity varies, whatever holds it at the
+  target: ReMoE's lambda controller, or the thresholds of the penalty-free routers
+  (``relu_threshold``, ``expert_threshold``: stage II then starts at the settling step). A
+  router that fixes the sparsity by construction (TopK, Hash, Expert Choice) logs the same
+  value every step (``Stages.fixed``): its settling step is the first step, reported as n/a.
 
 ``smooth`` > 1 first replaces S by its centred moving average over that many records (for
 noisy small-batch runs whose per-step sparsity never stays inside a narrow band; centred, so
@@ -44,6 +49,13 @@ class Stages:
     stage2_start: int | None  # first step of stage II (= end of stage I, exclusive)
     settle_step: int | None  # first step of stage III
     settling_time: int | None  # settle_step - first_step (steps of stages I + II)
+    #: the logged sparsity never changed (:func:`sparsity_is_fixed`): nothing to settle
+    fixed: bool = False
+
+    @property
+    def reported_settle_step(self) -> int | None:
+        """The settling step where there is one to report (None for a fixed sparsity)."""
+        return None if self.fixed else self.settle_step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +105,15 @@ def settle_index(sparsity: np.ndarray, target: float, tol: float, window: int) -
     return j if ok.size - j >= window else None
 
 
+def sparsity_is_fixed(sparsity, atol: float = 1e-9) -> bool:
+    """Whether every finite logged sparsity equals the first: a router that fixes k by
+    construction (TopK, Hash, Expert Choice at a constant T), as opposed to one whose sparsity
+    is held at the target by a controller (ReLU's lambda, the threshold routers)."""
+    s = np.asarray(sparsity, dtype=np.float64)
+    s = s[np.isfinite(s)]
+    return bool(s.size) and bool(np.all(np.abs(s - s[0]) <= atol))
+
+
 def band_excursions(steps, sparsity, target: float, tol: float) -> list[tuple[int, int]]:
     """``(first, last)`` steps of every run of records outside the band after the sparsity
     first entered it (what moves the settling step later)."""
@@ -130,7 +151,7 @@ def detect_stages(steps, sparsity, target: float, reg_term=None, lm_loss=None, *
     steps = np.asarray(steps, dtype=np.int64)
     s = centered_mean(np.asarray(sparsity, dtype=np.float64), smooth)
     if steps.size == 0:
-        return Stages(target, tol, window, eps, smooth, 0, 0, None, None, None)
+        return Stages(target, tol, window, eps, smooth, 0, 0, None, None, None, fixed=False)
     j2 = settle_index(s, target, tol, window)
     end = j2 if j2 is not None else s.size  # stage II must start before settling
     j1 = j2
@@ -148,6 +169,7 @@ def detect_stages(steps, sparsity, target: float, reg_term=None, lm_loss=None, *
         smooth=int(smooth), first_step=int(steps[0]), last_step=int(steps[-1]),
         stage2_start=stage2, settle_step=settle,
         settling_time=(settle - int(steps[0])) if settle is not None else None,
+        fixed=sparsity_is_fixed(sparsity),
     )
 
 

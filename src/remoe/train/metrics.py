@@ -78,16 +78,18 @@ def last_logged(run_dir: Path, step: int) -> dict[str, Any] | None:
 
 
 def logged_stages(run_dir: Path, target_sparsity: float):
-    """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``)."""
+    """Stage boundaries of the logged run (the definitions of ``remoe analyze stages``); None
+    without records or where the router fixes the sparsity (nothing settles)."""
     from remoe.method.stages import detect_stages
 
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
             if x.strip()]
     if not recs:
         return None
-    return detect_stages([r["step"] for r in recs], [r["sparsity"] for r in recs],
-                         target_sparsity, [r["lambda"] * r["reg_loss"] for r in recs],
-                         [r["lm_loss"] for r in recs])
+    st = detect_stages([r["step"] for r in recs], [r["sparsity"] for r in recs],
+                       target_sparsity, [r["lambda"] * r["reg_loss"] for r in recs],
+                       [r["lm_loss"] for r in recs])
+    return None if st.fixed else st
 
 
 def run_summary(run_dir: Path, reason: str, totals: dict[str, Any], model, model_cfg,

@@ -463,7 +463,7 @@ class Trainer:
         summary = run_summary(self.run_dir, reason, totals, self.model, self.model_cfg,
                               self.controller.coeff if self.controller else None, last,
                               self.last_eval, final_dir,
-                              stages=self.controller is not None and self.dist.is_main)
+                              stages=self.model_cfg.is_moe and self.dist.is_main)
         # FSDP: the full weights gathered (collective) into a plain copy on rank 0
         to_write = self.fsdp.consolidated_model() if self.fsdp is not None else self.model
         if self.dist.is_main:

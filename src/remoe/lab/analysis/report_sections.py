@@ -18,10 +18,18 @@ from remoe.lab.analysis.runlog import Run
 
 def settling_cell(router: str | None, st: dict):
     """Settling time for the tables: n/a where the router fixes the sparsity by construction
-    (no adaptive lambda: TopK, Hash, ...), as in the training summary."""
-    if not adaptive_lambda(router):
+    (its logged sparsity never changes: TopK, Hash, ...), as in the training summary; the
+    settling time of every run whose sparsity is held by a controller (ReMoE's lambda, the
+    threshold routers). A stages record without ``fixed`` (older): by the router's lambda."""
+    if fixed_sparsity(router, st):
         return "n/a (sparsity fixed by the router)"
     return st.get("settling_time")
+
+
+def fixed_sparsity(router: str | None, st: dict) -> bool:
+    """Whether the run's sparsity is fixed by its router (``Stages.fixed``; a stages record
+    without it, from an older analysis: whether the router has no adaptive lambda)."""
+    return bool(st.get("fixed", not adaptive_lambda(router)))
 
 
 def comparison_section(runs: list[Run], names: list[str], results: list[dict],
@@ -171,13 +179,15 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
     if sp:
         facts.append((f"sparsity after step {sp['skip_steps']} (mean ± std)",
                       f"{fmt(sp.get('mean'))} ± {fmt(sp.get('std'))}"))
-    if st and not adaptive_lambda(f["router"]):
+    if st and fixed_sparsity(f["router"], st):
         facts.append(("settling time (stages I+II)", settling_cell(f["router"], st)))
     elif st:
         ends = [st["first_step"], st["stage2_start"], st["settle_step"]]
-        facts.append(("stages", f"I: {_span(ends[0], ends[1])}, II: {_span(ends[1], ends[2])}, "
-                                f"III: " + (f"from step {ends[2]}" if ends[2] is not None
-                                            else "not reached")))
+        if adaptive_lambda(f["router"]):  # (no stage II without a lambda: I then III)
+            facts.append(("stages", f"I: {_span(ends[0], ends[1])}, II: "
+                                    f"{_span(ends[1], ends[2])}, III: "
+                                    + (f"from step {ends[2]}" if ends[2] is not None
+                                       else "not reached")))
         facts.append(("settling time (stages I+II)",
                       f"{fmt(st['settling_time'])} steps (smoothed sparsity in the band "
                       f"±{st['tol']:g} from the settling step to the end, at least "

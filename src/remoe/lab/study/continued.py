@@ -59,7 +59,6 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
     from remoe.lab.analysis.routing import INACTIVE_RATIO
     from remoe.lab.analysis.runlog import Run, load_masks
     from remoe.method.stages import detect_stages
-    from remoe.lab.analysis.report_facts import adaptive_lambda
 
     rec = _read_json(run_dir / "init_from.json") or {}
     run = Run(run_dir)
@@ -71,9 +70,9 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
         row["first_lm_loss"] = float(m["lm_loss"][0])
         row["final_sparsity"] = float(m["sparsity"][-1]) if m.has("sparsity") else None
         target = run.target_sparsity
-        if target is not None and adaptive_lambda(run.router) and m.has("sparsity"):
+        if target is not None and m.has("sparsity"):
             st = detect_stages(m.steps, m["sparsity"], target)
-            row["steps_to_target"] = st.settle_step
+            row["steps_to_target"] = st.reported_settle_step
     evals = [e for e in run.evals if e.get("val_loss") is not None]
     if evals:
         row["first_eval"] = (int(evals[0]["step"]), float(evals[0]["val_loss"]))

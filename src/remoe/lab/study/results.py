@@ -6,8 +6,10 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
 * ``val_loss`` and ``val_<domain>``: the final validation (the last ``eval.jsonl`` record, else
   ``summary.json``); ``steps``, ``tokens``, ``flops`` (training FLOPs), ``train_s`` (the
   trainer's step time) and ``wall_s`` (the child process over every attempt, from study.json).
-* For runs with an adaptive lambda (ReLU): ``settle_step`` (:func:`detect_stages` with the
-  trainer's defaults, as in its summary), ``flops_to_settle`` (training FLOPs of the steps
+* For runs whose sparsity varies (an adaptive lambda, ReLU, or the thresholds of
+  ``relu_threshold`` / ``expert_threshold``; not a router that fixes k, whose logged sparsity
+  never changes: ``Stages.fixed``), flagged ``settles``: ``settle_step`` (:func:`detect_stages`
+  with the trainer's defaults, as in its summary), ``flops_to_settle`` (training FLOPs of the steps
   before it), ``layer_sparsity`` (per layer, mean over the steps from settling on) and
   ``layer_dev_max`` (max over layers of |mean - (1 - k/E)|), ``lambda_log10_amp`` (log10 of
   max/min lambda over the steps from settling on; with per-layer ``lambda_layers`` in the
@@ -143,10 +145,12 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     else:
         row.update(inactive_experts=None, num_experts_total=None, inactive_source=None)
     m = run.metrics
-    adaptive = mc is not None and mc.uses_adaptive_reg  # declared by the router (remoe.model.registry)
-    if adaptive and len(m) and m.has("sparsity") and target is not None:
+    st = None
+    if mc is not None and len(m) and m.has("sparsity") and target is not None:
         st = detect_stages(m.steps, m["sparsity"], target, m["lambda"] * m["reg_loss"],
                            m["lm_loss"])
+    if st is not None and not st.fixed:  # held at the target by lambda or by thresholds
+        row["settles"] = True
         row["settle_step"] = st.settle_step
         if st.settle_step is not None:
             before = m.steps < st.settle_step
@@ -284,9 +288,12 @@ def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(r) + " |" for r in body]
 
 
-def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
-    from remoe.lab.analysis.report_facts import adaptive_lambda  # the router declares it
+def _settles(row: dict[str, Any]) -> bool:
+    """The run's sparsity varies and is held at the target (``settles``, set by :func:`run_row`)."""
+    return row.get("settles") is True
 
+
+def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
     where = f"runs in `{out / 'runs'}`" + (
         f", finished runs' small outputs committed in `{_rel(spec.results_dir)}/runs`"
         if spec.results_dir else "")
@@ -304,7 +311,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                           if k.startswith("val_") and k != "val_loss"})
         zero_shot = list(dict.fromkeys(k for e in ges for r in e["rows"] for k in r
                                        if k.startswith("zs:")))
-        relu = any(r.get("target_sparsity") is not None and adaptive_lambda(r.get("router"))
+        relu = any(r.get("target_sparsity") is not None and _settles(r)
                    for e in ges for r in e["rows"])
         lines += [f"## {group}", ""]
         numeric = NUMERIC
@@ -330,7 +337,7 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                                                                      "inactive from"]
             body = []
             for e in ges:
-                rs = [r for r in e["rows"] if adaptive_lambda(r.get("router"))]
+                rs = [r for r in e["rows"] if _settles(r)]
                 if not rs:
                     continue
                 per_layer = [[float(x) for x in r["layer_sparsity"].split("/")]
@@ -342,7 +349,8 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                             + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in RELU_NUMERIC]
                             + [layers, f"{rs[0].get('inactive_source') or '–'}"
                                + (f" (of {total})" if total else "")])
-            lines += ["Sparsity control (ReLU runs; after settling):", ""]
+            lines += ["Sparsity control (runs whose sparsity varies: ReLU, threshold routers; "
+                      "after settling):", ""]
             lines += _md_table(head, body) + [""]
         lines += ["<details><summary>runs of this group</summary>", ""]
         lines += _md_table(["run", "overrides", "stop"],
