@@ -257,6 +257,20 @@ class ReMoETrainerMixin:
             logs = {**logs, **self.remoe.last}
         return super().log(logs, *args, **kwargs)
 
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The Trainer's save; a remoe model saved whole gets a model card when it brought none
+        from the directory it was loaded from (:func:`remoe.rundir.card.ensure_card`)."""
+        super()._save(output_dir, state_dict)
+        from remoe.model.llama import ReMoEForCausalLM
+
+        d = Path(output_dir if output_dir is not None else self.args.output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.args.should_save and isinstance(model, ReMoEForCausalLM) and \
+                (d / "config.json").is_file():
+            from remoe.rundir.card import ensure_card
+
+            ensure_card(d, model)
+
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
         ckpt = resume_from_checkpoint
         if ckpt is True:

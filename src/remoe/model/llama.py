@@ -266,8 +266,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> Any:
         """transformers' save, then the model's code and ``auto_map`` (loads with
-        ``trust_remote_code=True`` without remoe), the tokenizer files of the directory it
-        was loaded from, and a model card (:mod:`remoe.model.bundle`)."""
+        ``trust_remote_code=True`` without remoe), the tokenizer files and model card of the
+        directory it was loaded from (:mod:`remoe.model.bundle`)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             from remoe.model.bundle import finish_save
