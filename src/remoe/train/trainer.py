@@ -2,14 +2,16 @@
 
 One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
 
-    LR schedule (schedule.py); lambda(s) and revival from the controller (control.py)
-    for each micro-batch: out = model(x, labels=x, train_step=step)
+    LR schedule (schedule.py); lambda(s) and the revival input from the controller
+        (control.py: StepControl, the sequence ReMoETrainer runs too)
+    for each micro-batch: out = model(x, labels=x, train_step=step[, revive=])
         loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.losses)
-        (loss / grad_accum).backward(); add losses and routing counts (accumulate.py)
-    all-reduce the step's sums once (accumulate.py); stop on a non-finite loss (optim.py)
-    expert-parallel grads, clip, optimizer step (optim.py)
-    step_statistics(counts) -> S_i, per-layer S, active k, dead experts (remoe.method.losses)
-    routers' after_step, controller.update(S_i) (control.py; same lambda on every rank)
+        (loss / grad_accum).backward(); control.add(out): losses and routing counts
+    expert-parallel grads, clip (optim.py); control.reduce: the step's one all-reduce
+        (accumulate.py); stop on a non-finite loss, optimizer step (optim.py)
+    control.after_step: step_statistics(counts) -> S_i, per-layer S, active k, dead experts
+        (remoe.method.losses); routers' after_step; the controller's update (same lambda on
+        every rank)
     metrics line (metrics.py), progress (progress.py), periodic validation, mask recording
     (masks.py) and atomic checkpoint (checkpoint.py)
 
@@ -33,10 +35,9 @@ from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
-from remoe.method.losses import penalty, step_statistics, total_loss
+from remoe.method.losses import penalty, total_loss
 from remoe.method.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io, compile as compiling
-from remoe.train.accumulate import StepSums
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig, padded_vocab
 from remoe.distributed.fsdp import shard_model
@@ -113,9 +114,7 @@ class Trainer:
         self.control = StepControl(self.controller, self.token_routers,
                                    [getattr(f, "experts", None) for f in routed])
         if self.init is not None and self.controller is not None and self.init.lambdas:
-            from remoe.train.init_lambda import start_controller
-
-            start_controller(self.controller, self.init.lambdas)  # a resume loads its own
+            self.controller.start(self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -268,32 +267,31 @@ class Trainer:
         else:  # train.init_lr: no warm-up, cosine from the start lr (remoe.train.init_from)
             lr = cosine_lr(step, self.lr_start, min(tc.min_lr, self.lr_start), 0, tc.max_steps)
         set_lr(self.optimizer, lr)
-        coeff, layer_coeffs = self.control.coeffs()
-        self.control.arm_revival()
+        control = self.control  # the sparsity side of the step (control.py)
+        coeff, layer_coeffs = control.coeffs()
+        revive = control.revive_masks()
         threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
-        sums = StepSums(per_layer=layer_coeffs is not None)
         for micro in range(tc.grad_accum):
             input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
             input_ids = input_ids.to(self.device, non_blocking=True)
             sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
             with (nullcontext() if sync else model.no_sync()), self._autocast():
-                out = model(input_ids=input_ids, labels=input_ids, train_step=step)
+                out = model(input_ids=input_ids, labels=input_ids, train_step=step,
+                            revive=revive)
                 loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
-            sums.add(out, input_ids.numel())
+            control.add(out, input_ids.numel())
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
         # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled,
-                          grad_norm=norm)
+        tot = control.reduce(self.device, self.dist.enabled, grad_norm=norm)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
         grad_norm = tot.grad_norm
         update(self.optimizer, grad_norm, step, self.ckpt_root)
-        stats = step_statistics(tot.counts_LN, tot.tokens)
-        self.control.after_step(tot.counts_LN, stats, tot.tokens)
-        self.control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
+        stats = control.after_step(tot)  # statistics, routers' and controller's updates
+        control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
@@ -317,7 +315,7 @@ class Trainer:
             "tokens_per_s": tot.tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
             # experts that received no token in this step, per MoE layer
             "dead_experts": stats.dead_experts,
-            **self.control.record(layer_coeffs, tot.reg_L),
+            **control.record(layer_coeffs, tot.reg_L),
         }
 
     # -- periodic work ----------------------------------------------------------------------
