@@ -8,8 +8,8 @@ import pytest
 
 from remoe import ReMoEConfig
 from remoe.errors import ConfigError
-from remoe.method.sparsity import (ExpertRevival, LambdaController, LayerwiseLambdaController,
-                                   SparsityControl, build_controller)
+from remoe.method.sparsity import (ExpertRevival, LambdaController, SparsityControl,
+                                   build_controller, lambdas_in)
 
 
 def test_pi_rule_on_a_hand_computed_sequence():
@@ -49,13 +49,16 @@ def test_sign_rule_unchanged_and_checkpoint_format_unchanged():
     assert set(c.state_dict()) == {"target_sparsity", "lambda0", "alpha", "value", "steps"}
 
 
-def test_layerwise_controller_drives_each_layer_by_its_own_sparsity():
-    lw = LayerwiseLambdaController([LambdaController(0.75, 1.0, 2.0) for _ in range(3)])
-    lw.update([0.5, 0.9, 0.75])  # too dense -> x2, too sparse -> /2, on target -> unchanged
-    assert lw.coeffs == [2.0, 0.5, 1.0]
+def test_per_layer_control_drives_each_layer_by_its_own_sparsity():
+    lw = SparsityControl([LambdaController(0.75, 1.0, 2.0) for _ in range(3)], per_layer=True)
+    lw.update(0.0, [0.5, 0.9, 0.75], [])  # too dense -> x2, too sparse -> /2, on target -> same
+    assert lw.layer_coeffs == [2.0, 0.5, 1.0]
     assert lw.coeff == pytest.approx(3.5 / 3)
+    assert lw.coeffs() == (lw.coeff, [2.0, 0.5, 1.0])
     with pytest.raises(ValueError):
-        lw.update([0.5, 0.5])
+        lw.update(0.0, [0.5, 0.5], [])
+    with pytest.raises(ValueError, match="one lambda"):
+        SparsityControl([LambdaController(0.75), LambdaController(0.75)])
 
 
 def test_revival_counts_consecutive_silent_steps():
@@ -117,7 +120,7 @@ def test_sparsity_control_state_round_trip_and_format_guard():
     b = build_controller(cfg, 2)
     b.load_state_dict(a.state_dict())
     assert b.layer_coeffs == a.layer_coeffs and b.revival.silent == a.revival.silent
-    assert b.lam.layers[0].prev_error == a.lam.layers[0].prev_error
+    assert b.lams[0].prev_error == a.lams[0].prev_error
     paper = build_controller(ReMoEConfig.from_preset("micro", num_experts=4), 2)
     assert isinstance(paper, SparsityControl) and paper.layer_coeffs is None
     assert set(paper.state_dict()) == {"target_sparsity", "lambda0", "alpha", "value", "steps"}
@@ -148,3 +151,59 @@ def test_lambda_floor_bounds_the_fall_and_is_off_by_default():
     assert floored.layer_coeffs[0] == pytest.approx(1e-6 * 1.2 ** 10)
     with pytest.raises(ConfigError, match="model.lambda_floor=-1"):
         ReMoEConfig.from_preset("micro", lambda_floor=-1.0)
+
+
+# controller state dicts exactly as earlier versions wrote them into trainer_state.pt (and
+# ReMoETrainer into remoe_sparsity.json): they must keep loading
+OLD_PAPER = {"target_sparsity": 0.75, "lambda0": 1e-08, "alpha": 1.2, "value": 3.5e-07,
+             "steps": 17}
+OLD_PI = {**OLD_PAPER, "rule": "pi", "kp": 1.0, "ki": 1.0, "prev_error": 0.25}
+OLD_PER_LAYER_REVIVAL = {
+    "lambda": {"per_layer": [
+        {**OLD_PAPER, "value": 2e-07, "rule": "pi", "kp": 1.0, "ki": 1.0, "prev_error": -0.5},
+        {**OLD_PAPER, "value": 4e-07, "rule": "pi", "kp": 1.0, "ki": 1.0, "prev_error": None}]},
+    "revival": {"after": 3, "silent": [[0, 4, 0, 1], [2, 0, 0, 0]]}}
+OLD_GLOBAL_REVIVAL = {"lambda": OLD_PAPER, "revival": {"after": 2, "silent": [[0, 3, 0, 0]]}}
+
+
+def test_controller_state_of_earlier_versions_loads():
+    paper = build_controller(ReMoEConfig.from_preset("micro", num_experts=4), 2)
+    paper.load_state_dict(dict(OLD_PAPER))
+    assert paper.coeffs() == (3.5e-07, None) and paper.lams[0].steps == 17
+    assert paper.state_dict() == OLD_PAPER  # and is written back the same way
+
+    pi = build_controller(ReMoEConfig.from_preset("micro", num_experts=4, lambda_update="pi"), 2)
+    pi.load_state_dict(dict(OLD_PI))
+    assert pi.lams[0].prev_error == 0.25 and pi.state_dict() == OLD_PI
+
+    cfg = ReMoEConfig.from_preset("micro", num_experts=4, sparsity_control="per_layer",
+                                  lambda_update="pi", revive_after=3)
+    per_layer = build_controller(cfg, 2)
+    per_layer.load_state_dict(OLD_PER_LAYER_REVIVAL)
+    assert per_layer.layer_coeffs == [2e-07, 4e-07]
+    assert [c.prev_error for c in per_layer.lams] == [-0.5, None]
+    assert per_layer.revival.silent == [[0, 4, 0, 1], [2, 0, 0, 0]]
+    assert per_layer.dead_experts() == [[False, True, False, False], [False, False, False, False]]
+    assert per_layer.state_dict() == OLD_PER_LAYER_REVIVAL
+    masks = per_layer.revive_masks()  # the hinge's input to the next forward
+    assert masks[0].tolist() == [False, True, False, False] and masks[1] is None
+
+    one = build_controller(ReMoEConfig.from_preset("micro", num_experts=4, revive_after=2), 1)
+    one.load_state_dict(OLD_GLOBAL_REVIVAL)
+    assert one.coeff == 3.5e-07 and one.dead_experts() == [[False, True, False, False]]
+    assert one.state_dict() == OLD_GLOBAL_REVIVAL
+    with pytest.raises(ValueError, match="per-layer lambda state"):
+        one.load_state_dict(OLD_PER_LAYER_REVIVAL)
+
+    assert lambdas_in(OLD_PAPER) == [3.5e-07]
+    assert lambdas_in(OLD_GLOBAL_REVIVAL) == [3.5e-07]
+    assert lambdas_in(OLD_PER_LAYER_REVIVAL) == [2e-07, 4e-07]
+
+
+def test_lambda_update_rules_are_the_model_configs():
+    from remoe.model.spec import LAMBDA_UPDATES
+
+    for rule in LAMBDA_UPDATES:
+        LambdaController(0.75, rule=rule)
+    with pytest.raises(ValueError, match="rule='bang'"):
+        LambdaController(0.75, rule="bang")

@@ -50,14 +50,15 @@ def test_revival_hinge_moves_only_dead_experts_rows_towards_their_nearest_tokens
         r.weight[2] = 0.0
         r.weight[2, 0] = -1.0
     assert (x @ r.weight[2] < 0).all()
-    r.set_dead_experts(torch.tensor([False, False, True, False]))
-    out = r(x, RouterContext(1, 40))
+    out = r(x, RouterContext(1, 40, revive_N=torch.tensor([False, False, True, False])))
     assert out.aux_loss > 0
     out.aux_loss.backward()
     g = r.weight.grad
     assert g[2].abs().sum() > 0 and g[[0, 1, 3]].abs().sum() == 0
+    assert r(x, RouterContext(1, 40)).aux_loss == 0  # only for the forwards given revive_N
     r.eval()  # no hinge at inference
-    assert r(x, RouterContext(1, 40)).aux_loss == 0
+    assert r(x, RouterContext(1, 40, revive_N=torch.tensor([False, False, True, False]))
+             ).aux_loss == 0
 
 
 def test_revival_hinge_value_by_hand():

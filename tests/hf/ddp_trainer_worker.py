@@ -39,8 +39,9 @@ step_end = loop.step_end
 
 
 def recording_step_end():
-    local = step_statistics(loop.counts_LN.float().cpu(), loop.tokens).sparsity
-    tokens = loop.tokens
+    sums = loop.control.sums  # this rank's micro-batches of the step, before the all-reduce
+    tokens = float(sums.sums[3])  # (lm, reg, aux, tokens, micro-batches)
+    local = step_statistics(sums.counts.cpu(), tokens).sparsity
     step_end()
     steps.append({"local_sparsity": local, "local_tokens": tokens, **loop.last})
 

@@ -128,7 +128,7 @@ def test_remoe_trainer_steps_lambda_once_per_optimizer_step_and_checkpoints_it(t
                      train_dataset=rows)
     t.train()
     ctrl = t.remoe.controller
-    assert ctrl.lam.steps == 4  # one update per optimizer step, not per micro-batch
+    assert ctrl.lams[0].steps == 4  # one update per optimizer step, not per micro-batch
     logs = [r for r in t.state.log_history if "loss" in r]
     lams = [r["lambda"] for r in logs]
     assert lams[0] > 1e-6 and t.remoe.lambda_rule.startswith("gradient balance")
@@ -142,7 +142,7 @@ def test_remoe_trainer_steps_lambda_once_per_optimizer_step_and_checkpoints_it(t
                                                  gradient_accumulation_steps=2, max_steps=4,
                                                  save_strategy="no"), train_dataset=rows)
     t2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert t2.remoe.controller.lam.steps == 4
+    assert t2.remoe.controller.lams[0].steps == 4
     assert t2.remoe.controller.coeff == pytest.approx(ctrl.coeff, rel=1e-9)
 
 

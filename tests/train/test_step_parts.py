@@ -52,23 +52,29 @@ def test_step_sums_are_micro_batch_means_and_summed_counts():
     sums = StepSums(per_layer=True)
     sums.add(_out(2.0, 0.5, 0.0, [[1, 3]], [0.5]), 8)
     sums.add(_out(4.0, 1.5, 1.0, [[2, 0]], [1.5]), 8)
-    tot = sums.reduce(n_micro=2, device=torch.device("cpu"), distributed=False)
+    tot = sums.reduce(device=torch.device("cpu"), distributed=False)
     assert (tot.lm, tot.reg, tot.aux, tot.tokens) == (3.0, 1.0, 0.5, 16.0)
     assert tot.counts_LN.tolist() == [[3.0, 3.0]] and tot.counts_LN.dtype == torch.float64
     assert tot.reg_L == [1.0]
     single = StepSums(per_layer=False)
     single.add(_out(2.0, 0.5, 0.0, [[1, 3]], [9.0]), 8)
-    assert single.reduce(1, torch.device("cpu"), False).reg_L is None
+    assert single.reduce(None, False).reg_L is None  # on the sums' device
 
 
 def test_step_control_without_controller_and_per_layer_reg_term():
     seen = []
-    router = SimpleNamespace(after_step=lambda counts_N: seen.append(counts_N.tolist()))
+    router = SimpleNamespace(after_step_with_tokens=lambda counts_N, tokens: seen.append(
+        (counts_N.tolist(), tokens)))
     ctl = StepControl(None, [router])
-    assert ctl.coeffs() == (0.0, None)
-    counts_LN = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-    ctl.after_step(counts_LN, step_statistics(counts_LN, 1.0))
-    assert seen == [[1.0, 0.0]]  # the routers' own update runs without a controller too
+    assert ctl.coeffs() == (0.0, None) and ctl.revive_masks() is None
+    assert not ctl.pending
+    ctl.add(_out(2.0, 0.5, 0.0, [[1, 0]]), 1)
+    assert ctl.pending
+    tot = ctl.reduce(None, False)
+    assert not ctl.pending  # the next step starts new sums
+    stats = ctl.after_step(tot)
+    assert seen == [([1.0, 0.0], 1.0)]  # the routers' own update runs without a controller too
+    assert stats == step_statistics(tot.counts_LN, 1.0)
     assert ctl.record(None, None) == {}
     from remoe.method.losses import penalty
 

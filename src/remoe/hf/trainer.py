@@ -8,10 +8,12 @@ objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.metho
   (evaluation reports the LM loss alone, as remoe does). The LM loss honours
   ``num_items_in_batch`` (the model normalises it by the tokens of the whole accumulated
   batch), so the extra term is divided by the accumulation steps the same way;
-* each micro-batch's routing counts are summed; after every optimizer step
-  (:class:`SparsityCallback`, ``on_step_end``) they are all-reduced over the ranks, and the
-  routers' ``after_step`` and the lambda controller (:mod:`remoe.method.sparsity`) are updated from
-  the step's sparsity -- the same lambda on every rank;
+* the step runs the sequence of ``remoe train`` (:class:`remoe.train.control.StepControl`):
+  each micro-batch's losses and routing counts are summed (and its forward gets the experts
+  under revival, ``revive=``); after every optimizer step (:class:`SparsityCallback`,
+  ``on_step_end``) they are all-reduced over the ranks once, and the routers' ``after_step``
+  and the controller (:mod:`remoe.method.sparsity`) are updated from the step's sparsity --
+  the same lambda on every rank;
 * the controller's state is written into every Trainer checkpoint (``remoe_sparsity.json``)
   and read back by ``train(resume_from_checkpoint=...)``;
 * ``lambda``, ``sparsity`` and ``reg_loss`` are added to the Trainer's training logs.
@@ -114,19 +116,10 @@ class SparsityLoop:
             saved = saved_lambda(Path(where), cfg) if where and Path(where).is_dir() else None
             if saved is not None:  # the remoe run that saved the model: its own lambda
                 self._start(*saved)
-        self._reset()
         self.last: dict[str, Any] = {}
 
-    def _reset(self) -> None:
-        self.counts_LN: torch.Tensor | None = None
-        self.tokens = 0.0
-        self.reg = 0.0
-        self.micro = 0
-
     def _start(self, values: list[float], rule: str) -> None:
-        from remoe.train.init_lambda import start_controller
-
-        start_controller(self.controller, values)
+        self.controller.start(values)
         self.started, self.lambda_rule = True, rule
 
     def measure(self, model, inputs: dict[str, Any]) -> None:
@@ -154,44 +147,33 @@ class SparsityLoop:
         else:
             self.started, self.lambda_rule = True, rule
 
+    def forward_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A training micro-batch's model inputs with the experts under revival (if any)."""
+        revive = self.control.revive_masks()
+        return inputs if revive is None else {**inputs, "revive": revive}
+
     def loss_term(self, out, scale: float) -> torch.Tensor:
-        """``(lambda * L_reg + L_aux) * scale`` of one training micro-batch; sums its counts."""
+        """``(lambda * L_reg + L_aux) * scale`` of one training micro-batch; adds it to the
+        step's sums."""
         from remoe.method.losses import penalty
 
         aux = out.aux
         coeff, layer_coeffs = self.control.coeffs()
         reg_L = aux.reg_losses_L if layer_coeffs is not None else None
         extra = penalty(coeff, aux.reg_loss, layer_coeffs, reg_L) + aux.aux_loss
-        counts = aux.active_counts_LN.detach().double()
-        self.counts_LN = counts if self.counts_LN is None else self.counts_LN + counts
-        self.tokens += float(aux.num_tokens)
-        reg = aux.reg_loss.detach().double().reshape(1)  # stays on the device: no host sync
-        self.reg = reg if isinstance(self.reg, float) else self.reg + reg
-        self.micro += 1
+        self.control.add(out)
         return extra * scale
 
     def step_end(self) -> None:
-        """After the optimizer step: all-reduce the step's counts, update routers and lambda."""
-        from remoe.method.losses import step_statistics
-
-        if self.counts_LN is None:
+        """After the optimizer step: the step's one all-reduce, then the routers' and the
+        controller's updates (remoe train's sequence)."""
+        if not self.control.pending:
             return
-        reg = self.reg if torch.is_tensor(self.reg) else self.counts_LN.new_zeros(1)
-        sums = torch.cat([self.counts_LN.reshape(-1), reg.to(self.counts_LN),
-                          self.counts_LN.new_tensor([self.tokens, self.micro])])
-        if _dist():
-            dist.all_reduce(sums)
-        L, N = self.counts_LN.shape
-        counts = sums[:L * N].view(L, N).float()
-        reg, tokens, micro = sums[L * N:].tolist()
-        coeff = self.control.coeffs()[0]
-        if L:
-            stats = step_statistics(counts.cpu(), tokens)
-            self.control.after_step(counts, stats, tokens)
-            self.last = {"lambda": coeff, "sparsity": stats.sparsity,
-                         "reg_loss": reg / max(micro, 1)}
-        self._reset()
-        self.control.arm_revival()  # the revival hinge of the next step
+        coeff = self.control.coeffs()[0]  # the lambda this step used
+        tot = self.control.reduce(None, _dist())  # on the model's device
+        stats = self.control.after_step(tot)
+        if tot.counts_LN.shape[0]:
+            self.last = {"lambda": coeff, "sparsity": stats.sparsity, "reg_loss": tot.reg}
 
     def state_dict(self) -> dict[str, Any]:
         return {"controller": self.controller.state_dict() if self.controller else None,
@@ -243,6 +225,8 @@ class ReMoETrainerMixin:
         training = model.training and torch.is_grad_enabled()
         if training and not self.remoe.started:
             self.remoe.measure(self.accelerator.unwrap_model(model), inputs)
+        if training:
+            inputs = self.remoe.forward_inputs(inputs)
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
         if training:
@@ -256,6 +240,20 @@ class ReMoETrainerMixin:
         if "loss" in logs and self.remoe.last:
             logs = {**logs, **self.remoe.last}
         return super().log(logs, *args, **kwargs)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The Trainer's save; a remoe model saved whole gets a model card when it brought none
+        from the directory it was loaded from (:func:`remoe.rundir.card.ensure_card`)."""
+        super()._save(output_dir, state_dict)
+        from remoe.model.llama import ReMoEForCausalLM
+
+        d = Path(output_dir if output_dir is not None else self.args.output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.args.should_save and isinstance(model, ReMoEForCausalLM) and \
+                (d / "config.json").is_file():
+            from remoe.rundir.card import ensure_card
+
+            ensure_card(d, model)
 
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
         ckpt = resume_from_checkpoint

@@ -16,12 +16,18 @@ Options (``model.sparsity_control`` / ``model.lambda_update``; docs/CONTROL.md):
   stage-III limit cycle of the sign rule (a full ``alpha`` step every step, whatever the
   error), but also makes the final approach slower (measured in docs/RESULTS.md; a larger
   ``ki`` keeps full steps closer to the target).
-* ``sparsity_control="per_layer"``: one controller per MoE layer, each driven by its own
-  layer's sparsity (:class:`LayerwiseLambdaController`).
+* ``sparsity_control="per_layer"``: one lambda per MoE layer, each with its own rule state,
+  driven by its own layer's sparsity (:class:`SparsityControl` holds them).
 * :class:`ExpertRevival` counts, per layer and expert, the consecutive steps in which the
-  expert received no token; experts silent for ``revive_after`` steps are handed to their
-  router's revival hinge (remoe.model.routers.relu) or, with ``revive_method="split"``, made
+  expert received no token; experts silent for ``revive_after`` steps get their router's
+  revival hinge (remoe.model.routers.relu; the dead experts go into the next forward as
+  ``revive=``, :meth:`SparsityControl.revive_masks`) or, with ``revive_method="split"``, become
   copies of busy experts (remoe.train.revive_split).
+
+:class:`SparsityControl` is the one object the trainers hold (``remoe train`` and
+``ReMoETrainer``, both through :class:`remoe.train.control.StepControl`): the lambda(s), each a
+:class:`LambdaController` (the rule and its state), and the optional :class:`ExpertRevival`,
+behind one ``state_dict`` whose formats are those of every earlier version.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from remoe.model import registry
-from remoe.model.spec import SparsityControlConfig
+from remoe.model.spec import LAMBDA_UPDATES, SparsityControlConfig
 
 _DEFAULT = SparsityControlConfig()
-
-UPDATE_RULES = ("sign", "pi")
 
 
 def _finite(sparsity) -> float:
@@ -61,8 +67,8 @@ class LambdaController:
     def __post_init__(self) -> None:
         if self.value is None:
             self.value = float(self.lambda0)
-        if self.rule not in UPDATE_RULES:
-            raise ValueError(f"rule={self.rule!r} must be one of {UPDATE_RULES}")
+        if self.rule not in LAMBDA_UPDATES:
+            raise ValueError(f"rule={self.rule!r} must be one of {LAMBDA_UPDATES}")
 
     @property
     def coeff(self) -> float:
@@ -112,39 +118,6 @@ class LambdaController:
         self.ki = float(state.get("ki", self.ki))
         prev = state.get("prev_error")
         self.prev_error = None if prev is None else float(prev)
-
-
-@dataclass
-class LayerwiseLambdaController:
-    """One :class:`LambdaController` per MoE layer, each fed its own layer's sparsity."""
-
-    layers: list[LambdaController] = field(default_factory=list)
-
-    @property
-    def coeffs(self) -> list[float]:
-        return [c.coeff for c in self.layers]
-
-    @property
-    def coeff(self) -> float:
-        """The mean coefficient (what a single lambda would be for the same total pressure)."""
-        return sum(self.coeffs) / max(1, len(self.layers))
-
-    def update(self, layer_sparsity: list[float]) -> list[float]:
-        if len(layer_sparsity) != len(self.layers):
-            raise ValueError(f"got {len(layer_sparsity)} layer sparsities for "
-                             f"{len(self.layers)} controllers")
-        return [c.update(s) for c, s in zip(self.layers, layer_sparsity)]
-
-    def state_dict(self) -> dict:
-        return {"per_layer": [c.state_dict() for c in self.layers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "per_layer" not in state or len(state["per_layer"]) != len(self.layers):
-            raise ValueError("checkpoint holds no per-layer lambda state for "
-                             f"{len(self.layers)} layers (was it trained with "
-                             "model.sparsity_control=global?)")
-        for c, s in zip(self.layers, state["per_layer"]):
-            c.load_state_dict(s)
 
 
 @dataclass
@@ -202,63 +175,125 @@ class ExpertRevival:
 
 
 class SparsityControl:
-    """Everything the trainer steers for a ReLU-routed model, behind one ``state_dict``.
+    """Everything the trainers steer for a ReLU-routed model, behind one ``state_dict``.
 
-    ``lam`` is a :class:`LambdaController` (one lambda, the paper) or a
-    :class:`LayerwiseLambdaController`; ``revival`` an optional :class:`ExpertRevival`. The
-    paper's configuration (one lambda, no revival) checkpoints exactly as a bare
-    LambdaController did, so older checkpoints resume unchanged.
+    ``lams``: one :class:`LambdaController` for all layers (the paper), or one per MoE layer
+    (``per_layer``); ``revival``: an optional :class:`ExpertRevival`. The paper's configuration
+    (one lambda, no revival) checkpoints exactly as a bare LambdaController does; the others as
+    ``{"lambda": <one lambda's state> | {"per_layer": [...]}, "revival": <state> | None}``.
     """
 
-    def __init__(self, lam, revival: ExpertRevival | None = None) -> None:
-        self.lam = lam
+    def __init__(self, lams: list[LambdaController], per_layer: bool = False,
+                 revival: ExpertRevival | None = None) -> None:
+        if not per_layer and len(lams) != 1:
+            raise ValueError(f"one lambda for all layers, got {len(lams)}")
+        self.lams = list(lams)
+        self.per_layer = per_layer
         self.revival = revival
 
-    @property
-    def per_layer(self) -> bool:
-        return isinstance(self.lam, LayerwiseLambdaController)
-
+    # -- before a step ------------------------------------------------------------------------
     @property
     def coeff(self) -> float:
-        """lambda_i (per-layer control: the mean over layers)."""
-        return self.lam.coeff
+        """lambda_i (per-layer control: the mean over layers, what a single lambda would be
+        for the same total pressure)."""
+        if not self.per_layer:
+            return self.lams[0].coeff
+        return sum(self.layer_coeffs) / max(1, len(self.lams))
 
     @property
     def layer_coeffs(self) -> list[float] | None:
         """lambda_{i,l} per MoE layer (None: one lambda for all layers)."""
-        return self.lam.coeffs if self.per_layer else None
+        return [c.coeff for c in self.lams] if self.per_layer else None
 
+    def coeffs(self) -> tuple[float, list[float] | None]:
+        """(lambda, per-layer lambdas or None): the coefficients of this step's loss."""
+        return self.coeff, self.layer_coeffs
+
+    def start(self, values: list[float]) -> None:
+        """Set the current lambda(s) (one value, or one per layer; a single lambda takes the
+        mean of several)."""
+        if self.per_layer:
+            vals = values if len(values) == len(self.lams) else [values[0]] * len(self.lams)
+            for c, v in zip(self.lams, vals):
+                c.value = float(v)
+        else:
+            self.lams[0].value = float(sum(values) / len(values))
+
+    def dead_experts(self) -> list[list[bool]] | None:
+        """[L][N] experts under revival for the next step (None: revival off or no step yet)."""
+        return self.revival.dead() if self.revival is not None and self.revival.silent else None
+
+    def revive_masks(self) -> list[torch.Tensor | None] | None:
+        """The revival hinge's input to the next forward (``model(..., revive=)``): per MoE
+        layer a bool ``[N]`` of its dead experts, or None for a layer with none; None when no
+        layer has one (the plain forward) or revival is not the hinge."""
+        if self.revival is None or self.revival.method != "hinge":
+            return None
+        dead = self.dead_experts()
+        if dead is None or not any(any(row) for row in dead):
+            return None
+        return [torch.tensor(row, dtype=torch.bool) if any(row) else None for row in dead]
+
+    # -- after a step ---------------------------------------------------------------------------
     def update(self, sparsity: float, layer_sparsity: list[float], counts_LN,
                num_tokens: float | None = None) -> None:
-        """One optimizer step's measurements (all ranks reduced) -> the next coefficients."""
-        self.lam.update(layer_sparsity if self.per_layer else sparsity)
+        """One optimizer step's measurements (all ranks reduced) -> the next coefficients
+        (``num_tokens``: the step's tokens, for ``model.revive_below`` / ``revive_until``)."""
+        if self.per_layer:
+            if len(layer_sparsity) != len(self.lams):
+                raise ValueError(f"got {len(layer_sparsity)} layer sparsities for "
+                                 f"{len(self.lams)} controllers")
+            for c, s in zip(self.lams, layer_sparsity):
+                c.update(s)
+        else:
+            self.lams[0].update(sparsity)
         if self.revival is not None:
             self.revival.update(counts_LN, num_tokens)
 
-    def dead_experts(self) -> list[list[bool]] | None:
-        """[L][N] experts whose revival hinge is on for the next step (None: revival off)."""
-        return self.revival.dead() if self.revival is not None and self.revival.silent else None
-
+    # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        lam = ({"per_layer": [c.state_dict() for c in self.lams]} if self.per_layer
+               else self.lams[0].state_dict())
         if not self.per_layer and self.revival is None:
-            return self.lam.state_dict()
-        return {"lambda": self.lam.state_dict(),
+            return lam
+        return {"lambda": lam,
                 "revival": self.revival.state_dict() if self.revival is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         nested = "lambda" in state and isinstance(state["lambda"], dict)
-        if self.per_layer or self.revival is not None:
-            if not nested:
-                raise ValueError("checkpoint holds the paper's single-lambda state; this run "
-                                 "asks for per-layer control or expert revival")
-            self.lam.load_state_dict(state["lambda"])
-            if self.revival is not None and state.get("revival") is not None:
-                self.revival.load_state_dict(state["revival"])
+        if not (self.per_layer or self.revival is not None):
+            if nested:
+                raise ValueError("checkpoint holds per-layer / revival control state; this run "
+                                 "asks for the paper's single lambda")
+            self.lams[0].load_state_dict(state)
             return
-        if nested:
-            raise ValueError("checkpoint holds per-layer / revival control state; this run "
-                             "asks for the paper's single lambda")
-        self.lam.load_state_dict(state)
+        if not nested:
+            raise ValueError("checkpoint holds the paper's single-lambda state; this run "
+                             "asks for per-layer control or expert revival")
+        lam = state["lambda"]
+        if self.per_layer:
+            if "per_layer" not in lam or len(lam["per_layer"]) != len(self.lams):
+                raise ValueError("checkpoint holds no per-layer lambda state for "
+                                 f"{len(self.lams)} layers (was it trained with "
+                                 "model.sparsity_control=global?)")
+            for c, one in zip(self.lams, lam["per_layer"]):
+                c.load_state_dict(one)
+        else:
+            if "per_layer" in lam:
+                raise ValueError("checkpoint holds per-layer lambda state; this run asks for "
+                                 "one lambda (model.sparsity_control=global)")
+            self.lams[0].load_state_dict(lam)
+        if self.revival is not None and state.get("revival") is not None:
+            self.revival.load_state_dict(state["revival"])
+
+
+def lambdas_in(state: dict) -> list[float] | None:
+    """The current lambda(s) held by a controller ``state_dict`` of any format (the paper's,
+    nested with revival, per layer); None if it holds none."""
+    lam = state["lambda"] if isinstance(state.get("lambda"), dict) else state
+    if "per_layer" in lam:
+        return [float(c["value"]) for c in lam["per_layer"]]
+    return [float(lam["value"])] if "value" in lam else None
 
 
 def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
@@ -273,8 +308,8 @@ def build_controller(cfg, num_moe_layers: int) -> SparsityControl | None:
         return LambdaController(target, c.lambda0, c.alpha, rule=c.lambda_update,
                                 kp=c.lambda_pi_kp, ki=c.lambda_pi_ki, floor=c.lambda_floor)
 
-    lam = LayerwiseLambdaController([one() for _ in range(num_moe_layers)]) \
-        if c.sparsity_control == "per_layer" else one()
+    per_layer = c.sparsity_control == "per_layer"
     revival = ExpertRevival(c.revive_after, below=c.revive_below, until=c.revive_until,
                             method=c.revive_method) if c.revive_after > 0 else None
-    return SparsityControl(lam, revival)
+    return SparsityControl([one() for _ in range(num_moe_layers if per_layer else 1)],
+                           per_layer, revival)

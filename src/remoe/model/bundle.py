@@ -255,10 +255,13 @@ def write_checksums(directory: str | os.PathLike) -> None:
 
 def finish_save(model, directory: str | os.PathLike) -> None:
     """After ``save_pretrained``: the code and ``auto_map``; from the directory the model was
-    loaded from, its tokenizer files and its model card when ``directory`` has none; else a new
-    model card (remoe only); the saved files readable as the umask allows (transformers writes
-    the weights 0600); last, ``checksums.json`` regenerated when the source directory or
-    ``directory`` had one."""
+    loaded from, its tokenizer files and its model card when ``directory`` has none; the saved
+    files readable as the umask allows (transformers writes the weights 0600); last,
+    ``checksums.json`` regenerated when the source directory or ``directory`` had one.
+
+    A new model card describes the run a model came from, which the model does not know: the
+    callers that save (remoe train's ``write_model_dir``, ``remoe convert``, ``ReMoETrainer``)
+    write it afterwards (:mod:`remoe.rundir.card`)."""
     d = Path(directory)
     had_checksums = (d / CHECKSUMS_FILE).is_file()
     write_code(d)
@@ -271,15 +274,6 @@ def finish_save(model, directory: str | os.PathLike) -> None:
         if (src / CARD_FILE).is_file() and not (d / CARD_FILE).exists():
             shutil.copyfile(src / CARD_FILE, d / CARD_FILE)
         had_checksums = had_checksums or (src / CHECKSUMS_FILE).is_file()
-    if _in_package() and not (d / CARD_FILE).exists():
-        import importlib
-
-        # the card describes the run a model came from (remoe.rundir.card): written when remoe
-        # itself saves, never part of the bundled code, so its name is joined here rather than
-        # written as one string (the bundler follows such strings) -- the one reach of model/
-        # above itself
-        card = importlib.import_module(".".join(("remoe", "rundir", "card")))
-        card.write_card(d, model)
     mode = new_file_mode()
     for p in d.iterdir():
         if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) != mode and (

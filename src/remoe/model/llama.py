@@ -12,6 +12,7 @@ Pre-norm RMSNorm blocks, RoPE, grouped-query attention through
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - older transformers: a plain module, no
     GradientCheckpointingLayer = nn.Module
 
 from remoe.model.config import ReMoEConfig
-from remoe.model.moe import LayerAux, build_ffn
+from remoe.model.moe import LayerAux, MoELayer, build_ffn
 from remoe.model.routers import RouterContext
 
 
@@ -188,6 +189,18 @@ def _left_padding(attention_mask_BP: Tensor | None) -> list[int] | None:
     return attention_mask_BP.long().argmax(-1).tolist()
 
 
+def _block_contexts(ctx: RouterContext, blocks, revive: list | None) -> list[RouterContext]:
+    """Each block's router context: ``ctx``, with ``revive`` (one entry per MoE layer, in
+    order) that layer's ``revive_N``."""
+    if revive is None:
+        return [ctx] * len(blocks)
+    moe = [isinstance(b.ffn, MoELayer) for b in blocks]
+    if len(revive) != sum(moe):
+        raise ValueError(f"revive has {len(revive)} entries for {sum(moe)} MoE layers")
+    rows = iter(revive)
+    return [dataclasses.replace(ctx, revive_N=next(rows)) if m else ctx for m in moe]
+
+
 #: the field of transformers' causal-LM output that holds the KV cache (renamed in 5.24)
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
     else "past_key_values"
@@ -266,8 +279,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> Any:
         """transformers' save, then the model's code and ``auto_map`` (loads with
-        ``trust_remote_code=True`` without remoe), the tokenizer files of the directory it
-        was loaded from, and a model card (:mod:`remoe.model.bundle`)."""
+        ``trust_remote_code=True`` without remoe), the tokenizer files and model card of the
+        directory it was loaded from (:mod:`remoe.model.bundle`)."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             from remoe.model.bundle import finish_save
@@ -285,6 +298,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         train_step: int | None = None,
         record_masks: bool = False,
+        revive: list[Tensor | None] | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         cache: DynamicCache | None = None,
@@ -296,6 +310,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
 
         ``train_step``: the optimizer step (schedules such as TopK warm-up); ``None`` means
         inference. ``record_masks``: also return every MoE layer's boolean routing mask.
+        ``revive`` (training): per MoE layer, the experts under revival (bool ``[N]`` or None),
+        given to its router as ``RouterContext.revive_N`` (remoe.method.sparsity).
         The KV cache comes as ``past_key_values=`` (transformers < 5.24) or ``cache=``
         (5.24 on); a dynamic cache only (:func:`_check_cache`).
         ``output_hidden_states``: the embeddings and every block's output, the last one after
@@ -327,10 +343,10 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         x = self.embed_tokens(input_ids)
         layer_aux: list[LayerAux] = []
         hidden: list[Tensor] = []
-        for block in self.layers:
+        for block, block_ctx in zip(self.layers, _block_contexts(ctx, self.layers, revive)):
             if output_hidden_states:
                 hidden.append(x)
-            x, aux = block(x, cos, sin, attn_mask, cache, ctx)
+            x, aux = block(x, cos, sin, attn_mask, cache, block_ctx)
             layer_aux.append(aux)
         x = self.norm(x)
         if output_hidden_states:

@@ -302,3 +302,19 @@ def write_card(directory: str | os.PathLike, model, run_dir: Path | None = None,
     path = d / "README.md"
     path.write_text(card_text(model, facts, d, source), encoding="utf-8")
     return path
+
+
+def ensure_card(directory: str | os.PathLike, model) -> Path | None:
+    """A card for a directory ``save_pretrained`` wrote without one (the model's own save copies
+    the card of the directory it was loaded from, and writes none: a card describes the run,
+    which the model does not know); ``checksums.json``, if there is one, regenerated after it.
+    Returns the card written, or None when the directory had one."""
+    d = Path(directory)
+    if (d / "README.md").exists():
+        return None
+    path = write_card(d, model)
+    from remoe.model.bundle import CHECKSUMS_FILE, write_checksums
+
+    if (d / CHECKSUMS_FILE).is_file():
+        write_checksums(d)
+    return path

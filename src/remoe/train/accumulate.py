@@ -1,6 +1,7 @@
 """What one step's micro-batches add up to, reduced once over the data-parallel ranks.
 
-Per rank, each micro-batch adds its LM, L_reg and L_aux losses, its token count, its routing
+Per rank, each micro-batch adds its LM, L_reg and L_aux losses, its token count, itself (the
+micro-batches are counted, so ranks or steps with fewer of them average right), its routing
 counts ``[L, N]`` and (per-layer control) each layer's L_reg, as float64 tensors on the model's
 device (no collective and no host synchronisation per micro-batch). :meth:`StepSums.reduce`
 packs them into one vector (with the step's gradient norm when given), all-reduces it once and
@@ -30,31 +31,40 @@ class StepTotals:
 class StepSums:
     def __init__(self, per_layer: bool) -> None:
         self.per_layer = per_layer
-        self.sums: torch.Tensor | None = None  # lm, reg, aux, tokens (per rank, on the device)
+        # lm, reg, aux, tokens, micro-batches (per rank, on the device)
+        self.sums: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self.reg_L: torch.Tensor | None = None  # sum over micro-batches of each layer's L_reg
 
-    def add(self, out, num_tokens: int) -> None:
-        """Add one micro-batch's forward output ``out`` (a ReMoEOutput) of ``num_tokens`` tokens."""
+    def add(self, out, num_tokens: int | None = None) -> None:
+        """Add one micro-batch's forward output ``out`` (a ReMoEOutput) of ``num_tokens`` tokens
+        (default: the tokens its routers saw, ``out.aux.num_tokens``)."""
         aux = out.aux
-        loss = out.loss.detach()
+        # no LM loss when the caller computes it itself (transformers' compute_loss_func)
+        loss = out.loss.detach() if out.loss is not None else aux.reg_loss.detach().new_zeros(())
+        if num_tokens is None:
+            num_tokens = aux.num_tokens
         if self.sums is None:
-            self.sums = torch.zeros(4, dtype=torch.float64, device=loss.device)
+            self.sums = torch.zeros(5, dtype=torch.float64, device=loss.device)
         self.sums += torch.stack([loss.double(), aux.reg_loss.detach().double().to(loss.device),
                                   aux.aux_loss.detach().double().to(loss.device),
                                   torch.full((), float(num_tokens), dtype=torch.float64,
-                                             device=loss.device)])
+                                             device=loss.device),
+                                  torch.ones((), dtype=torch.float64, device=loss.device)])
         c = aux.active_counts_LN.detach().double()
         self.counts = c if self.counts is None else self.counts + c
         if self.per_layer:
             r = aux.reg_losses_L.detach().double()
             self.reg_L = r if self.reg_L is None else self.reg_L + r
 
-    def reduce(self, n_micro: int, device: torch.device, distributed: bool,
+    def reduce(self, device: torch.device | None, distributed: bool,
                grad_norm: torch.Tensor | float | None = None) -> StepTotals:
-        """One all-reduce (when ``distributed``) of everything the step reports and one copy to
-        the host; ``n_micro`` is the number of micro-batches over all ranks. ``grad_norm`` (the
-        same on every rank, not summed) travels in the same copy."""
+        """One all-reduce (when ``distributed``; on ``device``, default where the sums are) of
+        everything the step reports and one copy to the host; the losses are means over the
+        step's micro-batches on all ranks. ``grad_norm`` (the same on every rank, not summed)
+        travels in the same copy."""
+        if device is None:
+            device = self.sums.device
         counts = self.counts
         reg_L = self.reg_L
         packed = torch.cat([self.sums.to(device), counts.flatten().to(device)]
@@ -67,9 +77,11 @@ class StepSums:
         packed = packed.cpu()  # the step's one device -> host copy
         if grad_norm is not None:
             packed, grad_norm = packed[:-1], packed[-1].item()
-        lm, reg, aux, tokens = (packed[:4] / torch.tensor([n_micro, n_micro, n_micro, 1])).tolist()
-        counts_LN = packed[4:4 + counts.numel()].view_as(counts)
+        n_micro = packed[4]
+        lm, reg, aux = (packed[:3] / n_micro).tolist()
+        tokens = packed[3].item()
+        counts_LN = packed[5:5 + counts.numel()].view_as(counts)
         reg_list = None
         if reg_L is not None:
-            reg_list = (packed[4 + counts.numel():] / n_micro).tolist()
+            reg_list = (packed[5 + counts.numel():] / n_micro).tolist()
         return StepTotals(lm, reg, aux, tokens, counts_LN, reg_list, grad_norm)

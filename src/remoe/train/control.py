@@ -1,10 +1,17 @@
-"""The sparsity-control side of a training step (the trainer's view of remoe.method.sparsity).
+"""One optimizer step's sparsity side: the one sequence ``remoe train`` and ``ReMoETrainer`` both run.
 
-Before the step: the lambda(s) its loss uses and the experts whose revival hinge is on. After
-the optimizer update: each token router's ``after_step`` (the aux-loss-free bias update), the
-controller's update from the step's statistics, reduced over all ranks, so that every rank
-holds the same lambda (checked at each checkpoint), and (``revive_method: split``) the splits
-of dead experts.
+    coeffs(), revive_masks()   before the step: the lambda(s) of its loss and the revival input
+                               of its forwards (``model(..., revive=)``), from the controller
+    add(out)                   each micro-batch: its losses and routing counts (accumulate.py)
+    reduce(device, ...)        the step's one all-reduce and one copy to the host -> StepTotals
+    after_step(totals)         after the optimizer update: the step's statistics
+                               (remoe.method.losses), each token router's ``after_step`` (the
+                               aux-loss-free bias, the thresholds), the controller's update, so
+                               that every rank holds the same lambda (checked at checkpoints)
+    split_dead(...)            ``revive_method: split`` (remoe train only): dead experts split
+
+The controller (:class:`remoe.method.sparsity.SparsityControl`) holds the rules and their state;
+this object holds nothing that a checkpoint needs.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from remoe.method.losses import StepStatistics
+from remoe.method.losses import StepStatistics, step_statistics
+from remoe.train.accumulate import StepSums, StepTotals
 from remoe.train.revive_split import pick_split, split_expert, split_generator
 
 
@@ -27,47 +35,53 @@ class StepControl:
         self.controller = controller
         self.token_routers = token_routers
         self.experts = experts
+        self.sums: StepSums | None = None  # the micro-batches of the step under way
         self.splits: list[int] | None = None  # experts split per layer in the last step
 
-    @property
-    def _revival(self):
-        return self.controller.revival if self.controller is not None else None
-
+    # -- before the step ----------------------------------------------------------------------
     def coeffs(self) -> tuple[float, list[float] | None]:
         """(lambda, per-layer lambdas or None) for this step's loss."""
-        if self.controller is None:
-            return 0.0, None
-        return self.controller.coeff, self.controller.layer_coeffs
+        return (0.0, None) if self.controller is None else self.controller.coeffs()
 
-    def arm_revival(self) -> None:
-        """Hand each ReLU router the experts whose revival hinge is on for this step."""
-        if self._revival is None or self._revival.method != "hinge":
-            return
-        dead = self.controller.dead_experts()
-        if dead is None:
-            return
-        for router, row in zip(self.token_routers, dead):  # revival: ReLU routers only
-            router.set_dead_experts(torch.tensor(row, dtype=torch.bool))
+    def revive_masks(self) -> list[torch.Tensor | None] | None:
+        """The ``revive=`` argument of this step's forwards (None: no revival hinge)."""
+        return None if self.controller is None else self.controller.revive_masks()
 
-    def after_step(self, counts_LN: torch.Tensor, stats: StepStatistics,
-                   num_tokens: float | None = None) -> None:
-        """After the optimizer update: the routers' own update, then the controller's
-        (``num_tokens``: the step's tokens over all ranks, for ``model.revive_below``)."""
-        for router, counts_N in zip(self.token_routers, counts_LN):  # routers with own state
-            with_tokens = getattr(router, "after_step_with_tokens", None)  # (a Router has it)
-            if with_tokens is not None:
-                with_tokens(counts_N, num_tokens)
-            else:
-                router.after_step(counts_N)
+    # -- the micro-batches --------------------------------------------------------------------
+    def add(self, out, num_tokens: int | None = None) -> None:
+        """One micro-batch's forward output (a ReMoEOutput) into the step's sums."""
+        if self.sums is None:
+            self.sums = StepSums(per_layer=self.coeffs()[1] is not None)
+        self.sums.add(out, num_tokens)
+
+    @property
+    def pending(self) -> bool:
+        """Whether micro-batches were added since the last :meth:`reduce`."""
+        return self.sums is not None
+
+    def reduce(self, device: torch.device | None, distributed: bool,
+               grad_norm: torch.Tensor | float | None = None) -> StepTotals:
+        """The step's sums over its micro-batches and all ranks (one all-reduce, one copy to
+        the host, ``grad_norm`` in the same copy); starts the next step's sums."""
+        sums, self.sums = self.sums, None
+        return sums.reduce(device, distributed, grad_norm=grad_norm)
+
+    # -- after the optimizer update -----------------------------------------------------------
+    def after_step(self, tot: StepTotals) -> StepStatistics:
+        """The step's statistics; the routers' own update, then the controller's."""
+        stats = step_statistics(tot.counts_LN, tot.tokens)
+        for router, counts_N in zip(self.token_routers, tot.counts_LN):  # routers with own state
+            router.after_step_with_tokens(counts_N, tot.tokens)
         if self.controller is not None:
-            self.controller.update(stats.sparsity, stats.layer_sparsity, counts_LN.tolist(),
-                                   num_tokens)
+            self.controller.update(stats.sparsity, stats.layer_sparsity, tot.counts_LN.tolist(),
+                                   tot.tokens)
+        return stats
 
     def split_dead(self, counts_LN: torch.Tensor, optimizer, seed: int, step: int) -> None:
         """``revive_method: split``, after :meth:`after_step`: in each layer, the dead expert
         silent longest becomes a copy of the step's busiest live expert (remoe.train.revive_split).
         Every rank holds the same counts and streaks, so every rank makes the same splits."""
-        revival = self._revival
+        revival = self.controller.revival if self.controller is not None else None
         if revival is None or revival.method != "split" or not revival.silent:
             return
         self.splits = []

@@ -96,13 +96,12 @@ def saved_lambda(model_dir: Path, model_cfg) -> tuple[list[float], str] | None:
     if not same:
         return None
     if (model_dir / rundir.STATE_FILE).is_file():
+        from remoe.method.sparsity import lambdas_in
+
         state = rundir.load_state(model_dir).get("controller")
-        if state:
-            lam = state["lambda"] if isinstance(state.get("lambda"), dict) else state
-            if "per_layer" in lam:
-                return [float(c["value"]) for c in lam["per_layer"]], "the checkpoint's own lambda"
-            if "value" in lam:
-                return [float(lam["value"])], "the checkpoint's own lambda"
+        values = lambdas_in(state) if state else None
+        if values:
+            return values, "the checkpoint's own lambda"
     from remoe.rundir.card import find_run_dir
 
     run = find_run_dir(model_dir)
@@ -152,14 +151,3 @@ def choose_lambda(init: InitModel, fixed: float | None, input_ids, dist_enabled:
     saved = saved_lambda(init.source.model_dir, cfg) if init.source.model_type == "remoe" else None
     init.lambdas, rule = pick_lambda(cfg, fixed, saved, lams, measured)
     init.lambda_info = {**measured, "measured_lambda": lams, "lambda_rule": rule}
-
-
-def start_controller(controller, values: list[float]) -> None:
-    """Set the controller's current lambda(s) (one value, or one per layer)."""
-    if controller.per_layer:
-        vals = values if len(values) == len(controller.lam.layers) else \
-            [values[0]] * len(controller.lam.layers)
-        for c, v in zip(controller.lam.layers, vals):
-            c.value = float(v)
-    else:
-        controller.lam.value = float(sum(values) / len(values))

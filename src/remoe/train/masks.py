@@ -45,3 +45,17 @@ def write_masks(run_dir: Path, step: int, masks: list[torch.Tensor],
                         token_ids=token_ids.reshape(-1).numpy(), step=np.array(step))
     os.replace(tmp, path)
     return path
+
+
+@torch.no_grad()
+def record_masks(model, calib: torch.Tensor, device, run_dir: Path, step: int, is_main: bool
+                 ) -> None:
+    """One forward of the calibration set with ``record_masks=True`` (every rank that takes
+    part in it: a collective forward under expert parallelism or FSDP); rank 0 writes them."""
+    model.eval()
+    try:
+        out = model(input_ids=calib.to(device), record_masks=True)
+        if is_main:
+            write_masks(run_dir, step, out.aux.masks, calib)
+    finally:
+        model.train()

@@ -86,3 +86,16 @@ def load_full_checkpoint(ckpt: Path, state: dict[str, Any], model: torch.nn.Modu
         optimizer_state = ep.shard_optimizer_state(optimizer_state, optimizer)
     load_weights(model, weights, ckpt)
     optimizer.load_state_dict(optimizer_state)
+
+
+def restore_last_record(metrics, state: dict[str, Any], step: int) -> None:
+    """The checkpointed step's metrics line (``state["last_record"]``), written back through
+    ``metrics`` (a MetricsWriter) when metrics.jsonl lost it (a line torn by a crash): the
+    summary and the plots read it."""
+    rec = state.get("last_record")
+    have = metrics.last
+    if isinstance(rec, dict) and rec.get("step") == step and (
+            have is None or have.get("step") != step):
+        metrics.write(rec)
+        rundir.say(f"--resume: metrics.jsonl had lost the line of step {step}; restored it "
+                   "from the checkpoint")

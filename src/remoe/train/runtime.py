@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from remoe import rundir
 from remoe.machine.threads import ThreadTuner, fix_threads, usable_cores
 from remoe.distributed.setup import DistInfo, init_distributed, resolve_device
 
@@ -38,3 +39,30 @@ def setup_runtime(tc) -> Runtime:
         precision = "bf16" if device.type == "cuda" else "fp32"
     return Runtime(threads, fixed, info, device,
                    torch.bfloat16 if precision == "bf16" else None)
+
+
+def settle_threads(rt: Runtime, tc, state: dict | None, is_main: bool) -> None:
+    """The run's thread count, fixed in ``rt.num_threads``: a resume under
+    ``train.num_threads: null`` reuses the count the run recorded (its checkpoint's, else its
+    last metrics line's), so the resumed steps compute what the uninterrupted run would have;
+    then the load hint (rank 0). Nothing to do under ``train.num_threads=auto`` (timed)."""
+    if rt.threads is not None:
+        return
+    recorded = None
+    if state is not None and tc.num_threads is None:
+        recorded = state.get("num_threads") or (state.get("last_record") or {}).get("threads")
+    want = recorded if isinstance(recorded, int) and recorded >= 1 else rt.num_threads
+    if recorded is not None and recorded != rt.num_threads and is_main:
+        rundir.say(f"--resume: {want} threads, as the run recorded (this process would "
+                   f"use {rt.num_threads})")
+    rt.num_threads = fix_threads("remoe train", want, hint=is_main,
+                                 fix="--set train.num_threads=1 (or OMP_NUM_THREADS=1)")
+
+
+def prepare_run_data(data_cfg, is_main: bool, progress: bool, barrier):
+    """The run's data: rank 0 builds (or opens) the cache, then the other ranks open it."""
+    from remoe.data import prepare_data
+
+    data = prepare_data(data_cfg, progress=progress) if is_main else None
+    barrier()
+    return data if is_main else prepare_data(data_cfg, progress=False)

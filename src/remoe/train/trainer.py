@@ -2,14 +2,16 @@
 
 One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
 
-    LR schedule (schedule.py); lambda(s) and revival from the controller (control.py)
-    for each micro-batch: out = model(x, labels=x, train_step=step)
+    LR schedule (schedule.py); lambda(s) and the revival input from the controller
+        (control.py: StepControl, the sequence ReMoETrainer runs too)
+    for each micro-batch: out = model(x, labels=x, train_step=step[, revive=])
         loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.losses)
-        (loss / grad_accum).backward(); add losses and routing counts (accumulate.py)
-    all-reduce the step's sums once (accumulate.py); stop on a non-finite loss (optim.py)
-    expert-parallel grads, clip, optimizer step (optim.py)
-    step_statistics(counts) -> S_i, per-layer S, active k, dead experts (remoe.method.losses)
-    routers' after_step, controller.update(S_i) (control.py; same lambda on every rank)
+        (loss / grad_accum).backward(); control.add(out): losses and routing counts
+    expert-parallel grads, clip (optim.py); control.reduce: the step's one all-reduce
+        (accumulate.py); stop on a non-finite loss, optimizer step (optim.py)
+    control.after_step: step_statistics(counts) -> S_i, per-layer S, active k, dead experts
+        (remoe.method.losses); routers' after_step; the controller's update (same lambda on
+        every rank)
     metrics line (metrics.py), progress (progress.py), periodic validation, mask recording
     (masks.py) and atomic checkpoint (checkpoint.py)
 
@@ -33,25 +35,25 @@ from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.model import ReMoEForCausalLM
 from remoe.model.routers import Router
-from remoe.method.losses import penalty, step_statistics, total_loss
+from remoe.method.losses import penalty, total_loss
 from remoe.method.sparsity import build_controller
 from remoe.train import checkpoint as ckpt_io, compile as compiling
-from remoe.train.accumulate import StepSums
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig, padded_vocab
 from remoe.distributed.fsdp import shard_model
 from remoe.train.control import StepControl
 from remoe.train.flops import FlopCounter
 from remoe.train.interrupt import StopOnInterrupt, TrainingInterrupted
-from remoe.train.masks import calibration_set, write_masks
+from remoe.train.masks import calibration_set, record_masks
 from remoe.train.progress import ProgressLines, open_progress, stats_text
 from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
-from remoe.train.resume import load_full_checkpoint, logged_eval, start_run_dir
-from remoe.train.runtime import setup_runtime
+from remoe.train.resume import (load_full_checkpoint, logged_eval, restore_last_record,
+                                start_run_dir)
+from remoe.train.runtime import prepare_run_data, settle_threads, setup_runtime
 from remoe.train.metrics import MetricsWriter, open_tensorboard, run_summary
 from remoe.train.optim import build_optimizer, check_finite_losses, finish_and_clip, set_lr, update
 from remoe.train.rng import rng_state, set_rng_state, to_weights_only
-from remoe.train.schedule import cosine_lr
+from remoe.train.schedule import cosine_lr, stop_reason
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -64,9 +66,8 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         tc = cfg.train
-        rt = setup_runtime(tc)  # threads, process group, device, precision
+        self.rt = rt = setup_runtime(tc)  # threads, process group, device, precision
         self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
-        self.num_threads = rt.num_threads  # fixed for the run (None: train.num_threads=auto)
         self.autocast_dtype = rt.autocast_dtype
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
@@ -75,13 +76,7 @@ class Trainer:
 
         # data (rank 0 builds the cache, the others then load it)
         if data is None:
-            from remoe.data import prepare_data
-
-            if self.dist.is_main:
-                data = prepare_data(cfg.data, progress=self.progress)
-            self._barrier()
-            if not self.dist.is_main:
-                data = prepare_data(cfg.data, progress=False)
+            data = prepare_run_data(cfg.data, self.dist.is_main, self.progress, self._barrier)
         self.data = data
         self.sampler = data.train_batches(seq_len=tc.seq_len, micro_batch=tc.micro_batch_size,
                                           grad_accum=tc.grad_accum,
@@ -120,9 +115,7 @@ class Trainer:
         self.control = StepControl(self.controller, self.token_routers,
                                    [getattr(f, "experts", None) for f in routed])
         if self.init is not None and self.controller is not None and self.init.lambdas:
-            from remoe.train.init_lambda import start_controller
-
-            start_controller(self.controller, self.init.lambdas)  # a resume loads its own
+            self.controller.start(self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.tokens = 0
@@ -139,7 +132,7 @@ class Trainer:
                                                       self.dist.is_main, self._barrier,
                                                       self.model_cfg)
         try:
-            self._settle_threads(state)
+            settle_threads(rt, tc, state, self.dist.is_main)  # fixed for the run (None: auto)
             self.tokenizer_path = getattr(self.data, "tokenizer_path", None)
             if self.dist.is_main:  # the run's own tokenizer: a rebuilt cache cannot change it
                 self.tokenizer_path = ckpt_io.keep_run_tokenizer(self.run_dir, self.data,
@@ -161,7 +154,7 @@ class Trainer:
                 rs = self.step if resume_from is not None else None
                 self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", rs)
                 if rs is not None:
-                    self._restore_last_record(state, rs)
+                    restore_last_record(self.metrics, state, rs)
                 self.evals = MetricsWriter(self.run_dir / "eval.jsonl", rs)
                 self.tb = open_tensorboard(self.run_dir) if tc.tensorboard else None
         except BaseException:  # a refused or failed start releases the run directory
@@ -191,24 +184,6 @@ class Trainer:
                                       input_ids.to(self.device), self.dist.enabled)
         return model
 
-    def _settle_threads(self, state: dict[str, Any] | None) -> None:
-        """The run's thread count: a resume under ``train.num_threads: null`` reuses the count
-        the run recorded (its checkpoint's, else its last metrics line's), so the resumed steps
-        compute what the uninterrupted run would have; then the load hint (rank 0)."""
-        if self.threads is not None:  # train.num_threads=auto: timed, not fixed
-            return
-        from remoe.machine.threads import fix_threads
-
-        recorded = None
-        if state is not None and self.cfg.train.num_threads is None:
-            recorded = state.get("num_threads") or (state.get("last_record") or {}).get("threads")
-        want = recorded if isinstance(recorded, int) and recorded >= 1 else self.num_threads
-        if recorded is not None and recorded != self.num_threads and self.dist.is_main:
-            rundir.say(f"--resume: {want} threads, as the run recorded (this process would "
-                       f"use {self.num_threads})")
-        self.num_threads = fix_threads("remoe train", want, hint=self.dist.is_main,
-                                       fix="--set train.num_threads=1 (or OMP_NUM_THREADS=1)")
-
     def _barrier(self) -> None:
         if self.dist.enabled:
             dist.barrier()
@@ -230,7 +205,7 @@ class Trainer:
     def _state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "step": self.step, "tokens": self.tokens, "flops": self.total_flops,
-            "elapsed": self.elapsed, "num_threads": self.num_threads,
+            "elapsed": self.elapsed, "num_threads": self.rt.num_threads,
             "optimizer": (self.optimizer.state_dict() if optimizer_state is None
                           else optimizer_state),
             "controller": self.controller.state_dict() if self.controller else None,
@@ -239,17 +214,6 @@ class Trainer:
             # the metrics line of this step: a resume restores it if the file lost it
             "last_record": getattr(getattr(self, "metrics", None), "last", None),
         }
-
-    def _restore_last_record(self, state: dict[str, Any], step: int) -> None:
-        """The checkpointed step's metrics line, written back when metrics.jsonl lost it (a
-        line torn by a crash): the summary and the plots read it."""
-        rec = state.get("last_record")
-        have = self.metrics.last
-        if isinstance(rec, dict) and rec.get("step") == step and (
-                have is None or have.get("step") != step):
-            self.metrics.write(rec)
-            rundir.say(f"--resume: metrics.jsonl had lost the line of step {step}; restored it "
-                       "from the checkpoint")
 
     def _load(self, ckpt: Path, state: dict[str, Any] | None = None) -> None:
         if state is None:
@@ -304,32 +268,31 @@ class Trainer:
         else:  # train.init_lr: no warm-up, cosine from the start lr (remoe.train.init_from)
             lr = cosine_lr(step, self.lr_start, min(tc.min_lr, self.lr_start), 0, tc.max_steps)
         set_lr(self.optimizer, lr)
-        coeff, layer_coeffs = self.control.coeffs()
-        self.control.arm_revival()
+        control = self.control  # the sparsity side of the step (control.py)
+        coeff, layer_coeffs = control.coeffs()
+        revive = control.revive_masks()
         threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
-        sums = StepSums(per_layer=layer_coeffs is not None)
         for micro in range(tc.grad_accum):
             input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
             input_ids = input_ids.to(self.device, non_blocking=True)
             sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
             with (nullcontext() if sync else model.no_sync()), self._autocast():
-                out = model(input_ids=input_ids, labels=input_ids, train_step=step)
+                out = model(input_ids=input_ids, labels=input_ids, train_step=step,
+                            revive=revive)
                 loss = total_loss(out, coeff, layer_coeffs)
             (loss / tc.grad_accum).backward()
-            sums.add(out, input_ids.numel())
+            control.add(out, input_ids.numel())
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
         # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        tot = sums.reduce(tc.grad_accum * self.dist.world_size, self.device, self.dist.enabled,
-                          grad_norm=norm)
+        tot = control.reduce(self.device, self.dist.enabled, grad_norm=norm)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
         grad_norm = tot.grad_norm
         update(self.optimizer, grad_norm, step, self.ckpt_root)
-        stats = step_statistics(tot.counts_LN, tot.tokens)
-        self.control.after_step(tot.counts_LN, stats, tot.tokens)
-        self.control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
+        stats = control.after_step(tot)  # statistics, routers' and controller's updates
+        control.split_dead(tot.counts_LN, self.optimizer, self.cfg.run.seed, step)
         step_flops = self.flops.train_flops(int(tot.tokens),
                                             self.flops.effective_pairs(stats.active_pairs,
                                                                        int(tot.tokens)))
@@ -353,7 +316,7 @@ class Trainer:
             "tokens_per_s": tot.tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
             # experts that received no token in this step, per MoE layer
             "dead_experts": stats.dead_experts,
-            **self.control.record(layer_coeffs, tot.reg_L),
+            **control.record(layer_coeffs, tot.reg_L),
         }
 
     # -- periodic work ----------------------------------------------------------------------
@@ -372,18 +335,12 @@ class Trainer:
                 self.tb.add_scalar("val/loss", rec["val_loss"], self.step)
         return rec
 
-    @torch.no_grad()
     def record_masks(self) -> None:
         if self.calib is None or not (self.dist.is_main or self.ep is not None
                                       or self.fsdp is not None):  # collective forwards
             return
-        self.model.eval()
-        out = self.model(input_ids=self.calib.to(self.device), record_masks=True)
-        if not self.dist.is_main:  # EP: every rank takes part in the forward; rank 0 writes
-            self.model.train()
-            return
-        write_masks(self.run_dir, self.step, out.aux.masks, self.calib)
-        self.model.train()
+        record_masks(self.model, self.calib, self.device, self.run_dir, self.step,
+                     self.dist.is_main)
 
     def _log(self, rec: dict[str, Any], bar) -> None:
         if not self.dist.is_main:
@@ -402,14 +359,7 @@ class Trainer:
         self.lines.update(rec)
 
     def _should_stop(self) -> str | None:
-        tc = self.cfg.train
-        if self.step >= tc.max_steps:
-            return f"reached train.max_steps={tc.max_steps}"
-        if tc.max_tokens is not None and self.tokens >= tc.max_tokens:
-            return f"reached train.max_tokens={tc.max_tokens}"
-        if tc.max_flops is not None and self.total_flops >= tc.max_flops:
-            return f"reached train.max_flops={tc.max_flops:.3g}"
-        return None
+        return stop_reason(self.cfg.train, self.step, self.tokens, self.total_flops)
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

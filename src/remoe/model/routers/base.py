@@ -23,7 +23,9 @@ class RouterContext:
     routers), ``step`` (the optimizer step in training; ``None`` at inference: schedules such as
     the TopK warm-up then use their final value), ``record_masks`` (return each layer's mask),
     ``past_len`` (cached positions before this call's tokens; 0 for a full forward),
-    ``pad_left`` (each sequence's left padding in a padded batch, or None).
+    ``pad_left`` (each sequence's left padding in a padded batch, or None), ``revive_N`` (in
+    training: this layer's experts under revival, bool ``[N]``, or None; the model's
+    ``revive=`` argument, from the sparsity control).
     """
 
     batch_size: int
@@ -35,6 +37,8 @@ class RouterContext:
     #: left-padding count of each sequence (batched generation), None without padding (Lory
     #: starts its segments after the padding; token-wise routers ignore it)
     pad_left: list[int] | None = None
+    #: experts whose revival hinge is on in this forward (a training input; None: none)
+    revive_N: Tensor | None = None
 
 
 @dataclass

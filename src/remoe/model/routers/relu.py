@@ -56,7 +56,7 @@ class ReLURouter(Router):
     Options (all off by default, which is the paper's router): ``max_active`` caps the experts
     a token may use (the largest gates are kept); ``gate_threshold`` tau, at inference only,
     counts gates <= tau as inactive (a compute dial; tau = 0 is the plain ReLU router);
-    :meth:`set_dead_experts` switches on the revival hinge for the given experts;
+    ``ctx.revive_N`` (in training) switches on the revival hinge for the given experts;
     ``balance_bias_rate`` r > 0 makes the gates ``ReLU(x W + b)`` with a per-expert offset ``b``
     (a buffer, no gradient) that :meth:`after_step` moves by the centred sign step of the
     auxiliary-loss-free balancer (:func:`bias_update`): ``+r`` for an expert under its layer's
@@ -78,7 +78,6 @@ class ReLURouter(Router):
         self.max_active = max_active if 0 < max_active < num_experts else 0
         self.gate_threshold = float(gate_threshold)
         self.revive_coeff = float(revive_coeff)
-        self._dead_N: Tensor | None = None  # experts under revival (set between steps)
         self.balance_bias_rate = float(balance_bias_rate)
         if self.balance_bias_rate > 0:  # off: no buffer, the paper's state dict
             self.register_buffer("expert_bias_N", torch.zeros(num_experts, dtype=torch.float32),
@@ -100,10 +99,6 @@ class ReLURouter(Router):
                    max_active=cfg.max_active, gate_threshold=cfg.gate_threshold,
                    revive_coeff=cfg.revive_coeff, balance_bias_rate=cfg.balance_bias_rate)
 
-    def set_dead_experts(self, dead_N: Tensor | None) -> None:
-        """Experts (bool [N]) whose revival hinge is on until the next call (None: none)."""
-        self._dead_N = dead_N if dead_N is not None and bool(dead_N.any()) else None
-
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         logits_TN = self.logits(x_TD)
         if self.balance_bias_rate > 0:
@@ -117,8 +112,8 @@ class ReLURouter(Router):
         mask_TN = gates_TN > 0
         reg = l1_regularizer(gates_TN, mask_TN, self.target_density, self.load_balance)
         aux = zero(x_TD)
-        if self._dead_N is not None and self.training:
-            dead_N = self._dead_N.to(logits_TN.device)
+        if ctx.revive_N is not None and self.training:
+            dead_N = ctx.revive_N.to(logits_TN.device)
             with torch.autocast(device_type=x_TD.device.type, enabled=False):
                 z_TN = x_TD.detach().to(logits_TN.dtype) @ self.weight.to(logits_TN.dtype).t()
             aux = self.revive_coeff * revival_hinge(z_TN, dead_N, self.target_density)
