@@ -130,3 +130,4 @@ def bias_update(load_N: Tensor, rate: float) -> Tensor:
     load_N = load_N.to(torch.float64)
     delta_N = rate * torch.sign(load_N.mean() - load_N)
     return delta_N - delta_N.mean()
+

@@ -11,6 +11,14 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, bias_update, zero
+from remoe.model.routers.options import ReLUOptions
+
+
+def relu_options(options) -> ReLUOptions:
+    """The ReLU options in ``options``: the router's own (a user router deriving from
+    :class:`ReLURouter` gets them by deriving its options from :class:`ReLUOptions`), else the
+    defaults (the paper's router)."""
+    return options if isinstance(options, ReLUOptions) else ReLUOptions()
 
 
 def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
@@ -84,21 +92,25 @@ class ReLURouter(Router):
             self.register_buffer("expert_bias_N", torch.zeros(num_experts, dtype=torch.float32),
                                  persistent=True)
 
+    options = ReLUOptions
+
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
         if step is not None and step < dense_steps:
             # stage I: a ReLU gate of a zero-mean logit is open half of the time (N/2 experts
             # per token), bounded by the cap on experts per token when there is one
             n = cfg.num_experts * cfg.granularity / 2.0
-            return float(min(n, cfg.max_active)) if cfg.max_active else n
+            cap = relu_options(cfg.options).max_active
+            return float(min(n, cap)) if cap else n
         return super().expected_pairs(cfg, step, dense_steps)
 
     @classmethod
     def from_config(cls, cfg) -> "ReLURouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
-                   load_balance=cfg.reg_type == "lb", init_std=cfg.init_std,
-                   max_active=cfg.max_active, gate_threshold=cfg.gate_threshold,
-                   revive_coeff=cfg.revive_coeff, balance_bias_rate=cfg.balance_bias_rate)
+        o = relu_options(cfg.options)
+        return cls(cfg.d_model, cfg.num_routed, cfg.target_density,
+                   load_balance=o.reg_type == "lb", init_std=cfg.init_std,
+                   max_active=o.max_active, gate_threshold=o.gate_threshold,
+                   revive_coeff=o.revive_coeff, balance_bias_rate=o.balance_bias_rate)
 
     def set_dead_experts(self, dead_N: Tensor | None) -> None:
         """Experts (bool [N]) whose revival hinge is on until the next call (None: none)."""
