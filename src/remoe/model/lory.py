@@ -104,7 +104,6 @@ class LoryMoE(nn.Module):
     has_router_weights = True
     expert_parallel = False  # merged experts: no token dispatch to shard
     uses_all_params = False  # DDP: the first segment's router may get no gradient
-    balance_offsets = False
 
     @classmethod
     def from_config(cls, cfg: MoEConfig) -> "LoryMoE":

@@ -165,7 +165,6 @@ class DenseFFN(nn.Module):
     has_router_weights = False
     expert_parallel = False
     uses_all_params = True
-    balance_offsets = False
 
     @classmethod
     def width(cls, cfg) -> int:

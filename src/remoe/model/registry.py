@@ -12,7 +12,8 @@ other module spells a router's name:
 ``expert_parallel``   ``train.expert_parallel`` can shard its experts
 ``uses_all_params``   every parameter gets a gradient every step (False: DDP must look for
                       unused ones)
-``balance_offsets``   ``model.balance_bias_rate`` applies (a per-expert offset in the gate)
+``options``           the dataclass of its own options (:data:`BUILTIN_OPTIONS`, or
+                      ``register_router(options=)``), None when it has none
 ==================== ====================================================================
 
 and a classmethod ``from_config(cfg: MoEConfig)``. A user's router registers itself with
@@ -105,14 +106,15 @@ def register_router(name: str, options: type | None = None):
     or an FFN-slot module available as ``model.router=name``.
 
     ``options``: a dataclass of the router's own config fields, each with a default (and, if
-    it has one, a ``validate(prefix)`` method raising ConfigError). They become model fields
+    it has one, a ``validate(prefix)`` method raising ConfigError). They become model keys
     while this router is chosen (``--set model.<option>=...``, ``config.json``), are type-
-    checked like the built-ins' and reach the router as ``cfg.<option>`` in ``from_config``."""
+    checked and reach the router as ``cfg.options.<option>`` in ``from_config``."""
 
     def deco(cls: type) -> type:
         _check_new(name, cls)
         _check_options(name, options)
         cls.registry_name = name
+        cls.options = options  # the class's declaration, as the built-ins'
         _user[name] = cls
         if options is not None:
             _options[name] = options

@@ -65,8 +65,9 @@ class Router(nn.Module):
     expert_parallel: bool = True
     #: every parameter gets a gradient in every step (False: DDP looks for unused ones)
     uses_all_params: bool = True
-    #: ``model.balance_bias_rate`` moves a per-expert offset inside its gate (ReLU(x W + b))
-    balance_offsets: bool = False
+    #: the dataclass of this router's own options (``remoe.model.routers.options``; a user
+    #: router's: ``register_router(options=...)``); None: it has none
+    options: type | None = None
 
     @classmethod
     def from_config(cls, cfg) -> "Router":

@@ -74,7 +74,6 @@ class ReLURouter(Router):
     """
 
     uses_adaptive_reg = True
-    balance_offsets = True
 
     def __init__(self, d_model: int, num_experts: int, target_density: float,
                  load_balance: bool = True, init_std: float = 0.02, max_active: int = 0,
