@@ -221,26 +221,6 @@ def test_old_config_json_without_newer_fields_loads(tmp_path):
     assert loaded.control.sparsity_control == "global" and loaded.revive_after == 0
 
 
-def test_config_json_of_an_earlier_version_loads(tmp_path):
-    """Earlier versions stored every built-in router's options in every config.json: they load,
-    each checked, and only the chosen router's are kept."""
-    from remoe.model.spec import defaults
-
-    cfg = ReMoEConfig(**MICRO, max_active=3)
-    cfg.save_pretrained(tmp_path)
-    path = tmp_path / "config.json"
-    data = json.loads(path.read_text())
-    old = {**{k: v for k, v in defaults().items() if k not in data and k != "top_k"},
-           "lb_coeff": 0.02, "warmup_k": 4, **data}  # options of other routers, as they were
-    path.write_text(json.dumps(old))
-    loaded = ReMoEConfig.from_pretrained(tmp_path)
-    assert loaded.spec == cfg.spec and loaded.routing.options.max_active == 3
-    assert not hasattr(loaded, "lb_coeff") and not hasattr(loaded, "warmup_k")
-    path.write_text(json.dumps({**old, "lb_coeff": -1.0}))  # still checked
-    with pytest.raises(ConfigError, match=r"^model\.lb_coeff=-1\.0 must be >= 0$"):
-        ReMoEConfig.from_pretrained(tmp_path)
-
-
 @pytest.mark.parametrize("field, value", [("num_experts", 0), ("alpha", 1.0),
                                           ("lambda_update", "pid"), ("init_std", 0.0)])
 def test_one_validation_for_python_yaml_and_spec(field, value):
