@@ -169,7 +169,9 @@ class DenseFFN(nn.Module):
     @classmethod
     def width(cls, cfg) -> int:
         """Hidden width of the dense FFN (``cfg`` a MoEConfig or a ModelSpec)."""
-        return cfg.d_ffn if isinstance(cfg, MoEConfig) else cfg.backbone.ffn_hidden_size
+        # (by attribute, not isinstance: a saved model's bundled copy of this module may be
+        # loaded twice by transformers, each with its own MoEConfig class)
+        return cfg.d_ffn if hasattr(cfg, "d_ffn") else cfg.backbone.ffn_hidden_size
 
     @classmethod
     def from_config(cls, cfg: MoEConfig) -> "DenseFFN":

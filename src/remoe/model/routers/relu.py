@@ -5,6 +5,7 @@ Legend: T tokens, D model width, N experts (E*G).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,8 +18,13 @@ from remoe.model.routers.options import ReLUOptions
 def relu_options(options) -> ReLUOptions:
     """The ReLU options in ``options``: the router's own (a user router deriving from
     :class:`ReLURouter` gets them by deriving its options from :class:`ReLUOptions`), else the
-    defaults (the paper's router)."""
-    return options if isinstance(options, ReLUOptions) else ReLUOptions()
+    defaults (the paper's router). By field names, not isinstance: transformers may load a
+    saved model's bundled code twice (config and model), each copy with its own classes."""
+    have = {f.name for f in dataclasses.fields(options)} if options is not None else set()
+    return options if _RELU_FIELDS <= have else ReLUOptions()
+
+
+_RELU_FIELDS = {f.name for f in dataclasses.fields(ReLUOptions)}
 
 
 def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
