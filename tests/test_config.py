@@ -85,7 +85,8 @@ def test_presets_build_and_defaults(name):
         assert getattr(cfg, key) == value
     assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
     assert (cfg.router, cfg.num_experts, cfg.moe_top_k, cfg.granularity) == ("relu", 8, 1, 1)
-    assert (cfg.lambda0, cfg.alpha, cfg.lb_coeff, cfg.reg_type) == (1e-8, 1.2, 0.01, "lb")
+    assert (cfg.lambda0, cfg.alpha, cfg.reg_type) == (1e-8, 1.2, "lb")
+    assert not hasattr(cfg, "lb_coeff")  # another router's option: not in relu's config.json
     assert cfg.target_sparsity == 1 - 1 / 8
     assert cfg.head_dim * cfg.num_heads == cfg.hidden_size
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
@@ -106,9 +107,11 @@ def test_moe_config_mapping():
     cfg = ReMoEConfig(**{**MICRO, "num_experts": 4, "top_k": 2, "granularity": 2,
                          "reg_type": "l1", "expert_backend": "reference", "init_std": 0.1})
     m = cfg.moe_config()
-    assert (m.d_model, m.d_ffn, m.num_experts, m.top_k, m.granularity) == (64, 256, 4, 2, 2)
-    assert (m.router, m.reg_type, m.expert_backend, m.init_std) == ("relu", "l1", "reference", 0.1)
-    assert (m.num_routed, m.d_expert, m.target_sparsity) == (8, 128, 0.5)
+    r = m.routing
+    assert (m.d_model, m.d_ffn, r.num_experts, r.top_k, r.granularity) == (64, 256, 4, 2, 2)
+    assert (r.router, m.options.reg_type, r.expert_backend, m.init_std) == \
+        ("relu", "l1", "reference", 0.1)
+    assert (m.num_routed, m.d_expert, r.target_sparsity, m.target_density) == (8, 128, 0.5, 0.5)
     assert ReMoEConfig(router="dense").is_moe is False and cfg.is_moe
 
 
@@ -152,8 +155,9 @@ def test_from_pretrained_top_k_override(tmp_path):
 # ----------------------------------------------------------------------------- composed config
 
 def test_config_is_composed_of_three_sections():
-    """ReMoEConfig is built from backbone + routing + sparsity-control sections and gives them
-    back; each flat field lives in exactly one section; config.json stays flat."""
+    """ReMoEConfig is built from backbone + routing (+ the router's options) + sparsity-control
+    sections and gives them back; each flat field lives in exactly one place; config.json
+    stays flat."""
     import dataclasses
 
     from remoe.model.spec import SECTIONS, ModelSpec, section_fields
@@ -164,34 +168,43 @@ def test_config_is_composed_of_three_sections():
     assert (cfg.control.lambda0, cfg.control.revive_after) == (1e-6, 3)
     assert cfg.target_sparsity == cfg.routing.target_sparsity == 0.75
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
-             if f.metadata.get("flat", True)]  # router_options: stored flat by name
+             if f.metadata.get("flat", True)]  # options: stored flat by name
     assert len(names) == len(set(names)) == len(section_fields())
-    flat = cfg.to_dict()
+    flat, spec = cfg.to_dict(), cfg.spec
     for name in names:  # every field a top-level config.json key (k as moe_top_k)
-        assert flat["moe_top_k" if name == "top_k" else name] == getattr(cfg.spec, name)
+        section = getattr(spec, section_fields()[name][0])
+        assert flat["moe_top_k" if name == "top_k" else name] == getattr(section, name)
+    for f in dataclasses.fields(spec.routing.options):  # and the router's options
+        assert flat[f.name] == getattr(spec.routing.options, f.name)
     assert "lambda0" not in {f.name for f in dataclasses.fields(type(cfg.routing))}
     assert ModelSpec.from_flat({**MICRO, "top_k": 4, "num_experts": 16, "lambda0": 1e-6,
                                 "revive_after": 3}) == cfg.spec
 
 
 def test_layer_config_is_the_routing_section_itself():
-    """moe_config() copies no field: the MoE layer's config holds the routing section and reads
-    every routing field through it, so a new routing field cannot be left at a second default."""
+    """moe_config() copies no field: the MoE layer's config (a frozen dataclass) holds the
+    routing section, so a new routing field cannot be left at a second default."""
+    import dataclasses
+
     from remoe.model.moe import MoEConfig
 
     cfg = ReMoEConfig(**MICRO, router="topk", num_experts=6, top_k=2, lb_coeff=0.5,
                       granularity=2, init_std=0.01)
     m = cfg.moe_config()
     assert m.routing == cfg.routing
-    assert (m.d_model, m.d_ffn, m.init_std, m.num_experts, m.top_k, m.lb_coeff, m.granularity) \
-        == (64, 256, 0.01, 6, 2, 0.5, 2)
-    assert m.target_sparsity == cfg.target_sparsity
-    assert set(vars(m)) == {"d_model", "d_ffn", "init_std", "routing"}
-    kw = MoEConfig(d_model=64, d_ffn=256, init_std=0.01, router="topk", num_experts=6, top_k=2,
-                   lb_coeff=0.5, granularity=2)  # keywords build the same section
+    r = m.routing
+    assert (m.d_model, m.d_ffn, m.init_std, r.num_experts, r.top_k, m.options.lb_coeff,
+            r.granularity) == (64, 256, 0.01, 6, 2, 0.5, 2)
+    assert r.target_sparsity == cfg.target_sparsity
+    assert [f.name for f in dataclasses.fields(m)] == ["d_model", "d_ffn", "routing", "init_std"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.d_model = 1
+    assert not hasattr(m, "num_experts")  # no read-through: m.routing.num_experts
+    kw = MoEConfig.build(d_model=64, d_ffn=256, init_std=0.01, router="topk", num_experts=6,
+                         top_k=2, lb_coeff=0.5, granularity=2)  # keywords build the same section
     assert kw == m
     with pytest.raises(ConfigError, match="unknown key model.num_expert "):
-        MoEConfig(d_model=64, d_ffn=256, num_expert=6)
+        MoEConfig.build(d_model=64, d_ffn=256, num_expert=6)
 
 
 def test_old_config_json_without_newer_fields_loads(tmp_path):
@@ -200,7 +213,7 @@ def test_old_config_json_without_newer_fields_loads(tmp_path):
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
     for newer in ("sparsity_control", "lambda_update", "lambda_pi_kp", "lambda_pi_ki",
-                  "revive_after", "bias_update_rate", "router_module"):
+                  "revive_after", "router_module", "gate_threshold"):
         data.pop(newer)
     path.write_text(json.dumps(data))
     loaded = ReMoEConfig.from_pretrained(tmp_path)
@@ -255,6 +268,8 @@ def test_registry_knows_which_builtins_add_config_checks():
 
     own = {n for n in registry.BUILTINS if checks_something(registry.resolve(n))}
     assert own == set(registry.BUILTINS_WITH_CHECKS)
+    for n in registry.BUILTINS:  # the options table is the classes' own declaration
+        assert getattr(registry.resolve(n), "options", None) is registry.options_class(n), n
     with pytest.raises(ConfigError, match=r"^model\.warmup_k=9 must be <= model\.num_experts=8$"):
         ReMoEConfig(**MICRO, router="topk_warmup", warmup_k=9)
 
@@ -310,8 +325,8 @@ def test_public_names_are_lazy_and_register_auto_classes():
 
 
 def test_every_routing_and_control_field_is_declared_once():
-    """a routing or sparsity-control field has one declaration with a default, in its
-    section dataclass. A class anywhere in remoe that declares the same name with a literal
+    """a routing or sparsity-control field, or a built-in router's option, has one declaration
+    with a default, in its section dataclass or its router's options dataclass. A class anywhere in remoe that declares the same name with a literal
     default is a second definition (the MoE layer's config used to copy 24 of them), unless it
     is listed here as a different quantity that shares the name."""
     import ast
@@ -327,8 +342,11 @@ def test_every_routing_and_control_field_is_declared_once():
         ("RoutingStats", "granularity"): "ditto",
         ("FlipSeries", "num_experts"): "the N of recorded masks",
     }
-    names = {f.name for cls in (RoutingConfig, SparsityControlConfig)
-             for f in dataclasses.fields(cls)}
+    from remoe.model import registry
+
+    options = list(registry.light_options().values())
+    names = {f.name for cls in (RoutingConfig, SparsityControlConfig, *options)
+             for f in dataclasses.fields(cls)} - {"options"}  # (Router.options: the class's)
     src = Path(__file__).resolve().parents[1] / "src" / "remoe"
     found: dict[str, list[str]] = {}
     for path in src.rglob("*.py"):
@@ -342,9 +360,10 @@ def test_every_routing_and_control_field_is_declared_once():
                     found.setdefault(st.target.id, []).append(f"{path.name}:{node.name}")
     twice = {k: v for k, v in found.items() if len(v) > 1}
     assert not twice, twice
-    sections = {"RoutingConfig", "SparsityControlConfig"}
+    sections = {"RoutingConfig", "SparsityControlConfig",
+                *(c.__name__ for o in options for c in o.__mro__)}
     assert all(v[0].split(":")[1] in sections for v in found.values()), found
-    assert len(found) >= len(names) - 1  # router_options has no literal default
+    assert len(found) == len(names)
 
 
 def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
@@ -377,11 +396,11 @@ def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
     assert data["sharpness"] == 2.5 and data["mode"] == "a"
     assert data["router_module"] == __name__  # recorded, so the model loads where it imports
     again = ReMoEConfig.from_pretrained(tmp_path)
-    assert again.routing == cfg.routing and again.routing.sharpness == 2.5
+    assert again.routing == cfg.routing and again.routing.options.sharpness == 2.5
     layer = cfg.moe_config()
-    assert layer.sharpness == 2.5 and layer.routing.replace(mode="b").mode == "b"
-    assert isinstance(MoEConfig(d_model=8, d_ffn=16, router="relu_opts_cfgtest").routing
-                      .router_options, Opts)
+    assert layer.options.sharpness == 2.5 and layer.routing.replace(mode="b").options.mode == "b"
+    assert isinstance(MoEConfig.build(d_model=8, d_ffn=16, router="relu_opts_cfgtest").options,
+                      Opts)
     with pytest.raises(ConfigError, match=r"model.sharpness='x' must be of type float"):
         ReMoEConfig(**MICRO, router="relu_opts_cfgtest", sharpness="x")
     from remoe.model.spec import ModelSpec
@@ -393,11 +412,28 @@ def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
 
     @dataclasses.dataclass(frozen=True)
     class Clash:
-        lb_coeff: float = 0.5
+        num_experts: int = 4
 
     @register_router("relu_clash_cfgtest", options=Clash)
     class C(ReLURouter):
         pass
 
-    with pytest.raises(ConfigError, match="declares option 'lb_coeff', which is already a model"):
+    with pytest.raises(ConfigError, match="declares option 'num_experts', which is already a "):
         ReMoEConfig(**MICRO, router="relu_clash_cfgtest")
+
+    from remoe.model.routers.options import ReLUOptions
+
+    @dataclasses.dataclass(frozen=True)
+    class MoreReLU(ReLUOptions):  # a ReLU router's options, and one of its own
+        sharpness: float = 1.0
+
+    @register_router("relu_more_cfgtest", options=MoreReLU)
+    class M(ReLURouter):
+        pass
+
+    more = ReMoEConfig(**MICRO, router="relu_more_cfgtest", max_active=2, sharpness=3.0)
+    router = more.moe_config().options
+    assert (router.max_active, router.sharpness, more.max_active) == (2, 3.0, 2)
+    from remoe.model.moe import build_router
+
+    assert build_router(more.moe_config()).max_active == 2  # ReLURouter reads its options

@@ -13,7 +13,7 @@ from remoe.model.routers.expert_choice import expert_capacity
 
 def _layer(E=8, k=1, G=1, cf=1.0, D=16) -> MoELayer:
     torch.manual_seed(0)
-    return MoELayer(MoEConfig(d_model=D, d_ffn=32, num_experts=E, top_k=k, granularity=G,
+    return MoELayer(MoEConfig.build(d_model=D, d_ffn=32, num_experts=E, top_k=k, granularity=G,
                               router="expert_choice", capacity_factor=cf, init_std=0.3,
                               expert_backend="reference"))
 

@@ -13,7 +13,7 @@ from remoe.model.routers import RouterContext
 
 def _layer(E: int = 8, k: int = 1, G: int = 1, D: int = 8, d_ffn: int = 16) -> MoELayer:
     torch.manual_seed(0)
-    return MoELayer(MoEConfig(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k, granularity=G,
+    return MoELayer(MoEConfig.build(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k, granularity=G,
                               router="hash", expert_backend="reference", init_std=0.5))
 
 

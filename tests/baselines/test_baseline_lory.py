@@ -16,7 +16,7 @@ L = 4  # segment length in these tests
 
 def _lory(first_segment: str = "uniform", E: int = 3, D: int = 4, H: int = 6) -> LoryMoE:
     torch.manual_seed(0)
-    layer = build_ffn(MoEConfig(d_model=D, d_ffn=H, num_experts=E, router="lory",
+    layer = build_ffn(MoEConfig.build(d_model=D, d_ffn=H, num_experts=E, router="lory",
                                 lory_segment_len=L, lory_first_segment=first_segment,
                                 init_std=0.5))
     assert isinstance(layer, LoryMoE)

@@ -13,7 +13,7 @@ from remoe.model.routers import RouterContext, build_router
 @pytest.mark.parametrize("G", [1, 2])
 def test_router_switches_k_at_warmup_steps(G):
     torch.manual_seed(0)
-    cfg = MoEConfig(d_model=16, d_ffn=32, num_experts=8, top_k=1, granularity=G,
+    cfg = MoEConfig.build(d_model=16, d_ffn=32, num_experts=8, top_k=1, granularity=G,
                     router="topk_warmup", warmup_k=6, warmup_steps=10)
     router = build_router(cfg)
     x = torch.randn(20, 16)

@@ -25,7 +25,7 @@ def test_pick_split_takes_the_longest_silent_dead_expert_and_the_busiest_live_on
 
 def _layer_with_dead_expert(e: int):
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(d_model=16, d_ffn=32, num_experts=8, top_k=1, router="relu"))
+    layer = MoELayer(MoEConfig.build(d_model=16, d_ffn=32, num_experts=8, top_k=1, router="relu"))
     with torch.no_grad():
         layer.router.weight[e] = -1.0  # no token with positive features reaches it
     return layer

@@ -11,7 +11,7 @@ from remoe.model.routers.relu import ReLURouter, revival_hinge
 
 def _layer(**kw):
     torch.manual_seed(0)
-    return MoELayer(MoEConfig(d_model=16, d_ffn=32, num_experts=8, top_k=1, **kw))
+    return MoELayer(MoEConfig.build(d_model=16, d_ffn=32, num_experts=8, top_k=1, **kw))
 
 
 def test_threshold_zero_is_exactly_the_relu_router_and_positive_tau_prunes_at_inference():

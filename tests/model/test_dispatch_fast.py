@@ -143,7 +143,7 @@ def test_moe_layer_auto_uses_fused_and_matches_reference(router, E, k, G):
     layers = []
     for backend in ("auto", "reference"):
         torch.manual_seed(0)
-        layers.append(MoELayer(MoEConfig(d_model=16, d_ffn=64, num_experts=E, top_k=k,
+        layers.append(MoELayer(MoEConfig.build(d_model=16, d_ffn=64, num_experts=E, top_k=k,
                                          granularity=G, router=router, expert_backend=backend,
                                          init_std=0.3)))
     layers[1].load_state_dict(layers[0].state_dict())

@@ -11,7 +11,7 @@ from remoe.model.moe import MoEConfig, MoELayer
 def _layer(router: str, E: int, k: int = 1, D: int = 4, d_ffn: int = 8, seed: int = 0,
            std: float = 0.5) -> MoELayer:
     torch.manual_seed(seed)
-    cfg = MoEConfig(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k, router=router,
+    cfg = MoEConfig.build(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k, router=router,
                     expert_backend="reference", init_std=std)
     return MoELayer(cfg).double()
 

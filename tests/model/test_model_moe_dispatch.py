@@ -30,7 +30,7 @@ def _pair(router: str, E: int, k: int, G: int, D: int = 8, d_ffn: int = 32, seed
     layers = []
     for backend in ("grouped_mm", "reference"):
         torch.manual_seed(seed)
-        layers.append(MoELayer(MoEConfig(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k,
+        layers.append(MoELayer(MoEConfig.build(d_model=D, d_ffn=d_ffn, num_experts=E, top_k=k,
                                          granularity=G, router=router, expert_backend=backend,
                                          init_std=0.3)))
     layers[1].load_state_dict(layers[0].state_dict())
@@ -143,7 +143,7 @@ def test_all_tokens_idle_gives_zero_output_and_zero_expert_grads():
 
 def test_auto_backend_with_unaligned_widths_matches_naive():
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(d_model=6, d_ffn=10, num_experts=2, top_k=1, router="relu",
+    layer = MoELayer(MoEConfig.build(d_model=6, d_ffn=10, num_experts=2, top_k=1, router="relu",
                                expert_backend="auto", init_std=0.5))
     x = torch.randn(7, 6)
     y, aux = layer(x)

@@ -83,7 +83,7 @@ def test_f_carries_no_gradient_even_when_mask_is_derived_from_gates():
 
 def test_relu_router_end_to_end_with_granularity():
     """E=2, G=2 (N=4 routed experts), k=1: target density kG/(EG) = 1/2 -> f_e = count_e / 2."""
-    cfg = MoEConfig(d_model=4, d_ffn=8, num_experts=2, top_k=1, granularity=2, router="relu")
+    cfg = MoEConfig.build(d_model=4, d_ffn=8, num_experts=2, top_k=1, granularity=2, router="relu")
     router = build_router(cfg)
     assert isinstance(router, ReLURouter) and router.uses_adaptive_reg
     _identity_router(router, 4)
@@ -99,7 +99,7 @@ def test_relu_router_end_to_end_with_granularity():
     assert r.reg_loss.item() == pytest.approx((1.5 * 1.2 + 0.5 * 0.1 + 0.5 * 0.6 + 0.5 * 0.2) / 4, rel=1e-6)
     assert r.aux_loss.item() == 0.0
 
-    plain = build_router(MoEConfig(d_model=4, d_ffn=8, num_experts=2, top_k=1, granularity=2,
+    plain = build_router(MoEConfig.build(d_model=4, d_ffn=8, num_experts=2, top_k=1, granularity=2,
                                    router="relu", reg_type="l1"))
     _identity_router(plain, 4)
     assert plain(x, _ctx(4)).reg_loss.item() == pytest.approx(2.1 / 4, rel=1e-6)
@@ -165,7 +165,7 @@ def test_switch_lb_hand_value_and_gradient():
 @pytest.mark.parametrize("E, k, G", [(4, 1, 1), (4, 2, 1), (4, 1, 4), (8, 2, 2)])
 def test_topk_router_gates_are_unrenormalised_top_probs(E, k, G):
     torch.manual_seed(E * 100 + k * 10 + G)
-    cfg = MoEConfig(d_model=8, d_ffn=16, num_experts=E, top_k=k, granularity=G, router="topk",
+    cfg = MoEConfig.build(d_model=8, d_ffn=16, num_experts=E, top_k=k, granularity=G, router="topk",
                     init_std=1.0)
     router = build_router(cfg)
     assert isinstance(router, TopKRouter) and not router.uses_adaptive_reg
@@ -202,7 +202,7 @@ def test_topk_router_hand_case():
 
 
 def test_topk_warmup_schedule():
-    cfg = MoEConfig(d_model=8, d_ffn=16, num_experts=4, top_k=1, granularity=2,
+    cfg = MoEConfig.build(d_model=8, d_ffn=16, num_experts=4, top_k=1, granularity=2,
                     router="topk_warmup", warmup_k=3, warmup_steps=5)
     router = build_router(cfg)
     x = torch.randn(5, 8)

@@ -32,7 +32,7 @@ def test_registered_built_from_config_and_validated(name):
     assert not cls.uses_adaptive_reg  # no lambda controller, no L1 term
     field, value = OPTION[name]
     cfg = ReMoEConfig.from_preset("micro", router=name, granularity=2, **{field: value})
-    assert getattr(cfg.routing, field) == value
+    assert getattr(cfg.routing.options, field) == value
     router = cls.from_config(cfg.moe_config())
     assert router.num_experts == 16 and router.target_density == 1 / 8
     bad = {"threshold_rate": (0.0, -1.0, math.inf), "threshold_ema_decay": (1.0, -0.1, math.nan)}

@@ -75,7 +75,7 @@ def _poisoned_grouped(x_PK, w_NKM, offs_N):
 
 def _run(router, backend, static, zero_router=False, max_active=0, seed=0):
     torch.manual_seed(seed)
-    layer = MoELayer(MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, granularity=2,
+    layer = MoELayer(MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2, granularity=2,
                                router=router, expert_backend=backend, max_active=max_active))
     layer.static_plan = static
     if zero_router:  # no token activates any expert: every row of the padded plan is padding
@@ -118,7 +118,7 @@ def test_padded_plan_is_bit_equal_on_the_reference_backend(router):
 def test_relu_declares_its_capacity():
     T = 20
     for max_active, bound in ((0, None), (3, T * 3)):
-        layer = MoELayer(MoEConfig(d_model=16, d_ffn=32, num_experts=8, top_k=1,
+        layer = MoELayer(MoEConfig.build(d_model=16, d_ffn=32, num_experts=8, top_k=1,
                                    router="relu", max_active=max_active))
         r = layer.router(torch.randn(T, 16), RouterContext(batch_size=1, seq_len=T))
         assert r.num_pairs is None and r.max_pairs == bound
@@ -129,7 +129,7 @@ def test_default_is_the_exact_plan():
     """``static_plan=False`` (``train.dispatch_plan=exact``): the plan of the active pairs, one
     ``nonzero`` -- on an H200 faster than the padded plan, eager and compiled (docs/SCALING.md)."""
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, router="relu",
+    layer = MoELayer(MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2, router="relu",
                                expert_backend="grouped_mm"))
     assert layer.static_plan is False
     with SyncCounter() as sc:

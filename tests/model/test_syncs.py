@@ -115,7 +115,7 @@ def test_fixed_k_routers_declare_their_pair_count():
     from remoe.model.routers import RouterContext
 
     for name in FIXED_K + DATA_DEPENDENT:
-        cfg = MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, router=name)
+        cfg = MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2, router=name)
         layer = MoELayer(cfg)
         r = layer.router(x, RouterContext(batch_size=2, seq_len=12, token_ids_T=ids, step=0))
         if name in FIXED_K:
@@ -132,7 +132,7 @@ def test_moe_layer_forward_backward_on_grouped_mm(router, recompute):
     from remoe.model.routers import RouterContext
 
     torch.manual_seed(0)
-    cfg = MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2, granularity=2, router=router,
+    cfg = MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2, granularity=2, router=router,
                     expert_backend="grouped_mm", recompute_experts=recompute)
     layer = MoELayer(cfg)
     layer.static_plan = True  # train.dispatch_plan=static: no sync in the layer
@@ -153,7 +153,7 @@ def test_grouped_mm_layer_equals_the_cpu_default():
         outs = []
         for backend in ("fused", "grouped_mm"):
             torch.manual_seed(1)
-            layer = MoELayer(MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2,
+            layer = MoELayer(MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2,
                                        router=router, expert_backend=backend))
             outs.append(layer(x)[0])
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
@@ -195,7 +195,7 @@ def _ep_worker(rank: int, init_file: str, world: int) -> None:
         lines = []
         for router in ("topk", "relu"):
             torch.manual_seed(0)
-            layer = MoELayer(MoEConfig(d_model=32, d_ffn=64, num_experts=8, top_k=2,
+            layer = MoELayer(MoEConfig.build(d_model=32, d_ffn=64, num_experts=8, top_k=2,
                                        router=router, expert_backend="grouped_mm"))
             ExpertParallel(layer)
             torch.manual_seed(10 + rank)

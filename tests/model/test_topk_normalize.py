@@ -10,7 +10,7 @@ from remoe.model.routers import RouterContext, build_router
 
 
 def _router(router: str, normalize: bool, k: int = 2, G: int = 1):
-    cfg = MoEConfig(d_model=8, d_ffn=16, num_experts=6, top_k=k, granularity=G, router=router,
+    cfg = MoEConfig.build(d_model=8, d_ffn=16, num_experts=6, top_k=k, granularity=G, router=router,
                     topk_normalize=normalize, warmup_k=4, warmup_steps=3)
     torch.manual_seed(0)
     return build_router(cfg)
@@ -61,8 +61,8 @@ def test_layer_output_scales_with_normalisation_at_k1():
     cfg = dict(d_model=8, d_ffn=16, num_experts=4, top_k=1, router="topk",
                expert_backend="reference")
     torch.manual_seed(1)
-    plain = MoELayer(MoEConfig(**cfg, topk_normalize=False))
-    norm = MoELayer(MoEConfig(**cfg, topk_normalize=True))
+    plain = MoELayer(MoEConfig.build(**cfg, topk_normalize=False))
+    norm = MoELayer(MoEConfig.build(**cfg, topk_normalize=True))
     norm.load_state_dict(plain.state_dict())
     x = torch.randn(1, 5, 8)
     y_plain, _ = plain(x)

@@ -95,7 +95,7 @@ def _unit_worker(rank: int, init_file: str) -> None:
         # a whole MoE layer (gates, dispatch, combine) and one training step: EP against data
         # parallelism emulated on a full copy (gradients averaged over the ranks, as DDP does)
         torch.manual_seed(1)
-        layer = MoELayer(MoEConfig(d_model=D, d_ffn=4 * H, num_experts=N, top_k=2,
+        layer = MoELayer(MoEConfig.build(d_model=D, d_ffn=4 * H, num_experts=N, top_k=2,
                                    router="relu"))  # auto: fused (full) vs grouped_mm (EP)
         ref = copy.deepcopy(layer)
         handle = ExpertParallel(layer)

@@ -1,12 +1,13 @@
-"""Model configuration: ``ReMoEConfig``, the transformers config built from a composed spec.
+"""``ReMoEConfig``: the transformers serialisation of the model config.
 
-The fields, their defaults and their checks live in :mod:`remoe.model.spec`, in three sections
-(backbone, routing, sparsity control), each a dataclass validated once. ``ReMoEConfig`` stores
-them flat, one attribute per field, so that it serialises as a Hugging Face ``config.json``
-with the same keys as always (old ``config.json`` files load unchanged); ``cfg.backbone``,
-``cfg.routing`` and ``cfg.control`` give the sections back. The MoE layer's config
-(:class:`remoe.model.moe.MoEConfig`, :meth:`ReMoEConfig.moe_config`) holds the routing section
-itself plus the widths it needs, so the layer can be used without the rest of the model.
+The model config is :class:`remoe.model.spec.ModelSpec` (backbone, routing with the router's
+options, sparsity control): every field, its default and its check live there or in the
+router's options dataclass. ``ReMoEConfig`` stores it flat, one attribute per field, so that it
+serialises as a Hugging Face ``config.json`` with the same keys as always (old ``config.json``
+files load unchanged, those that stored every router's options included); ``cfg.spec``
+deserialises it (the attributes as they are now), ``cfg.backbone``/``cfg.routing``/
+``cfg.control`` are its sections. The MoE layer's config (:class:`remoe.model.moe.MoEConfig`,
+:meth:`ReMoEConfig.moe_config`) is built from it once per model build.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from remoe.model import registry
 from remoe.model.spec import (EXPERT_BACKENDS, LAMBDA_UPDATES, LORY_FIRST_SEGMENT, PRESETS,
                               REG_TYPES, ROUTERS, SPARSITY_CONTROLS, TOKEN_IDS, BackboneConfig,
                               ModelSpec, RoutingConfig, SparsityControlConfig, defaults,
-                              field_types)
+                              field_types, section_fields, user_options_class)
 
 __all__ = ["EXPERT_BACKENDS", "LAMBDA_UPDATES", "LORY_FIRST_SEGMENT", "PRESETS", "REG_TYPES",
            "ROUTERS", "SPARSITY_CONTROLS", "ModelSpec", "ReMoEConfig"]
@@ -54,7 +55,7 @@ class ReMoEConfig(PretrainedConfig):
                             kwargs.get("router_module"))
         fields = {k: kwargs.pop(k) for k in list(kwargs)
                   if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
-        spec = ModelSpec.from_flat(fields)
+        spec = ModelSpec.from_flat(fields)  # another router's options are checked, then left out
         r = spec.routing
         # a router registered by a user module: recorded in config.json, so the saved model
         # loads wherever that module is importable (it is imported by validation)
@@ -62,13 +63,13 @@ class ReMoEConfig(PretrainedConfig):
                 and r.router in registry.names():
             spec = dataclasses.replace(spec, routing=dataclasses.replace(
                 r, router_module=registry.resolve(r.router).__module__))
+        spec.validate()  # the one validation (a model build reads the spec, never re-checks it)
         for name, value in spec.flat().items():
             setattr(self, _attr(name), value)
         for name, default in TOKEN_IDS.items():
             kwargs.setdefault(name, default)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
-        self.validate()
 
     # transformers' generic code looks for these names
     @property
@@ -87,10 +88,13 @@ class ReMoEConfig(PretrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    # the composition, read from the (possibly edited) flat attributes
+    # the model config, deserialised from the (possibly edited) flat attributes: read it once
+    # where it is used many times (a model build reads it once for all its layers)
     @property
     def spec(self) -> ModelSpec:
-        names = [k for k in field_types(self.router, self.router_module) if k not in TOKEN_IDS]
+        opts = user_options_class(self.router, self.router_module)
+        names = [f.name for f in dataclasses.fields(opts)] if opts is not None else []
+        names += section_fields()
         return ModelSpec.from_flat({k: getattr(self, _attr(k)) for k in names})
 
     @property
@@ -130,16 +134,19 @@ class ReMoEConfig(PretrainedConfig):
     def from_preset(cls, name: str, **overrides: Any) -> "ReMoEConfig":
         return cls(preset=name, **overrides)  # the spec expands it (ModelSpec.from_flat)
 
-    def moe_config(self):
+    def moe_config(self, spec: ModelSpec | None = None):
         """The MoE layer's config (:class:`remoe.model.moe.MoEConfig`): the routing section
-        itself, plus the widths and init of the backbone."""
+        itself, plus the widths and init of the backbone (of ``spec``, if given: the one the
+        caller already read)."""
         from remoe.model.moe import MoEConfig
 
-        return MoEConfig(d_model=self.hidden_size, d_ffn=self.ffn_hidden_size,
-                         init_std=self.init_std, routing=self.routing)
+        spec = spec or self.spec
+        b = spec.backbone
+        return MoEConfig(b.hidden_size, b.ffn_hidden_size, spec.routing, b.init_std)
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` (one line naming the field) on an impossible config."""
+        """Raise :class:`ConfigError` (one line naming the field) on an impossible config
+        (after editing attributes; the constructor has validated what it was given)."""
         self.spec.validate()
 
 

@@ -28,8 +28,9 @@ except ImportError:  # pragma: no cover - older transformers: a plain module, no
     GradientCheckpointingLayer = nn.Module
 
 from remoe.model.config import ReMoEConfig
-from remoe.model.moe import LayerAux, MoELayer, build_ffn
-from remoe.model.routers import RouterContext
+from remoe.model import registry
+from remoe.model.moe import LayerAux, MoEConfig, MoELayer, build_ffn
+from remoe.model.routers.base import RouterContext
 
 
 @dataclass
@@ -154,12 +155,15 @@ class DecoderBlock(GradientCheckpointingLayer):
     are recomputed in backward. The routing statistics of the recomputation are discarded (the
     forward's are the ones returned), so each step counts them once."""
 
-    def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ReMoEConfig, layer_idx: int, moe_cfg: MoEConfig | None = None,
+                 ffn_cls: type | None = None) -> None:
+        """``moe_cfg``/``ffn_cls``: the FFN slot's config and class, made once per model build
+        (read from ``cfg`` here when not given)."""
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = build_ffn(cfg.moe_config())
+        self.ffn = build_ffn(moe_cfg or cfg.moe_config(), ffn_cls)
 
     def forward(self, x, cos, sin, attn_mask, cache, ctx: RouterContext) -> tuple[Tensor, LayerAux]:
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache)
@@ -260,7 +264,12 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
     def __init__(self, config: ReMoEConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        # the model config read once, its FFN slot's config built once and its router (or FFN
+        # kind) resolved once, for every layer (validated when the config was made)
+        spec = config.spec
+        moe_cfg, ffn_cls = config.moe_config(spec), registry.resolve(spec.routing.router)
+        self.layers = nn.ModuleList(DecoderBlock(config, i, moe_cfg, ffn_cls)
+                                    for i in range(spec.backbone.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -403,7 +412,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
             used = getattr(block.ffn, "active_experts_per_token", None)
             if used is None:
                 used = getattr(getattr(block.ffn, "router", None), "active_experts_per_token",
-                               cfg.top_k * cfg.granularity)
+                               cfg.routing.top_k * cfg.routing.granularity)
             inactive += (cfg.num_routed - used) * per_expert
         return int(round(total - inactive))
 

@@ -54,9 +54,10 @@ from torch import Tensor, nn
 from remoe.errors import ConfigError
 from remoe.model.experts import SwiGLUExperts
 from remoe.model.moe import LayerAux, MoEConfig
-from remoe.model.routers import RouterContext
+from remoe.model.routers.base import RouterContext
+from remoe.model.routers.options import LORY_FIRST_SEGMENT, LoryOptions
 
-FIRST_SEGMENT_MODES = ("uniform", "self")
+FIRST_SEGMENT_MODES = LORY_FIRST_SEGMENT
 
 
 @dataclass
@@ -71,27 +72,30 @@ class _Stream:
 class LoryMoE(nn.Module):
     """Lory's FFN slot: causal segment routing + expert merging; returns ``(y, LayerAux)``."""
 
+    options = LoryOptions
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        if cfg.top_k != 1:
-            raise ConfigError(f"model.top_k={cfg.top_k} must be 1 for model.router=lory "
+        r, o = cfg.routing, cfg.options
+        if r.top_k != 1:
+            raise ConfigError(f"model.top_k={r.top_k} must be 1 for model.router=lory "
                               "(one merged expert per segment)")
-        if cfg.granularity != 1:
-            raise ConfigError(f"model.granularity={cfg.granularity} must be 1 for model.router=lory")
-        mode = getattr(cfg, "lory_first_segment", "uniform")
+        if r.granularity != 1:
+            raise ConfigError(f"model.granularity={r.granularity} must be 1 for model.router=lory")
+        mode = o.lory_first_segment
         if mode not in FIRST_SEGMENT_MODES:
             raise ConfigError(f"model.lory_first_segment={mode!r} must be one of "
                               f"{', '.join(FIRST_SEGMENT_MODES)}")
-        if cfg.lory_segment_len < 1:
-            raise ConfigError(f"model.lory_segment_len={cfg.lory_segment_len} must be >= 1")
+        if o.lory_segment_len < 1:
+            raise ConfigError(f"model.lory_segment_len={o.lory_segment_len} must be >= 1")
         self.cfg = cfg
-        self.segment_len = cfg.lory_segment_len
+        self.segment_len = o.lory_segment_len
         self.first_segment = mode
-        self.num_experts = cfg.num_experts
-        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.num_experts = r.num_experts
+        self.router = nn.Linear(cfg.d_model, r.num_experts, bias=False)
         nn.init.normal_(self.router.weight, std=cfg.init_std)
         # parameter storage only (same stacked layout and count as the token-routed experts)
-        self.experts = SwiGLUExperts(cfg.num_experts, cfg.d_model, cfg.d_ffn, cfg.init_std)
+        self.experts = SwiGLUExperts(r.num_experts, cfg.d_model, cfg.d_ffn, cfg.init_std)
         self._stream: _Stream | list[_Stream] | None = None  # a list: one per padded sequence
 
     # declarations read through remoe.model.registry (see remoe.model.routers.base.Router)
@@ -100,7 +104,6 @@ class LoryMoE(nn.Module):
     has_router_weights = True
     expert_parallel = False  # merged experts: no token dispatch to shard
     uses_all_params = False  # DDP: the first segment's router may get no gradient
-    balance_offsets = False
 
     @classmethod
     def from_config(cls, cfg: MoEConfig) -> "LoryMoE":
@@ -108,16 +111,17 @@ class LoryMoE(nn.Module):
 
     @classmethod
     def validate_config(cls, cfg, prefix: str = "model.") -> None:
-        k = getattr(cfg, "moe_top_k", None) or cfg.top_k
-        if k != 1 or cfg.granularity != 1:  # one merged expert of the full width per segment
+        k, G = cfg.routing.top_k, cfg.routing.granularity
+        if k != 1 or G != 1:  # one merged expert of the full width per segment
             raise ConfigError(f"{prefix}router=lory needs {prefix}top_k=1 and "
-                              f"{prefix}granularity=1 (got {k} and {cfg.granularity})")
+                              f"{prefix}granularity=1 (got {k} and {G})")
 
     @classmethod
     def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:
         """Lory reports every expert as used by every token but computes one merged expert per
-        token (plus merging E experts once per segment)."""
-        return tokens * cfg.num_layers * (1.0 + cfg.num_experts / cfg.lory_segment_len)
+        token (plus merging E experts once per segment). ``cfg``: the ModelSpec."""
+        r = cfg.routing
+        return tokens * cfg.backbone.num_layers * (1.0 + r.num_experts / r.options.lory_segment_len)
 
     @property
     def active_experts_per_token(self) -> int:

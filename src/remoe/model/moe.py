@@ -4,7 +4,7 @@ Legend: T tokens, D model width, N experts (E*G), H expert width (d_ffn/G), P ac
 
 ``MoELayer`` is usable on its own, as a drop-in FFN replacement::
 
-    layer = MoELayer(MoEConfig(d_model=512, d_ffn=2048, num_experts=8, top_k=1))
+    layer = MoELayer(MoEConfig.build(d_model=512, d_ffn=2048, num_experts=8, top_k=1))
     y, aux = layer(x)            # x: [..., D] -> y: [..., D]; aux: LayerAux
 
 A token whose router activates no expert gets exact zeros (only the residual carries it).
@@ -12,58 +12,75 @@ A token whose router activates no expert gets exact zeros (only the residual car
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from remoe.model import dispatch
 from remoe.model.experts import SwiGLU, SwiGLUExperts
-from remoe.model.routers import RouterContext, build_router
+from remoe.model.routers.base import Router, RouterContext
 from remoe.model.shared_expert import build_shared_expert
 from remoe.model.spec import RoutingConfig
 
 
+@dataclass(frozen=True)
 class MoEConfig:
     """Config of one FFN slot: the widths it gets from the backbone, plus the routing section.
 
-    The routing fields (router, E, k, G, each router's options) are declared once, in
-    :class:`~remoe.model.spec.RoutingConfig`; this class only adds what the slot needs from the
-    backbone, and reads every routing field through (``cfg.num_experts``). Built from keywords
-    (``MoEConfig(d_model=512, d_ffn=2048, num_experts=8, top_k=1)``), or from a section
-    (``MoEConfig(d_model, d_ffn, routing=spec.routing)``)."""
+    The routing fields (router, E, k, G, the router's ``options``) are declared once, in
+    :class:`~remoe.model.spec.RoutingConfig` and the router's options dataclass; this class
+    adds what the slot needs from the backbone. A model build makes one
+    (:meth:`remoe.ReMoEConfig.moe_config`) and hands it to every layer. Read a routing field
+    through its section: ``cfg.routing.num_experts``, ``cfg.options.lb_coeff``. From keywords:
+    ``MoEConfig.build(d_model=512, d_ffn=2048, num_experts=8, top_k=1)``."""
 
-    def __init__(self, d_model: int, d_ffn: int, init_std: float = 0.02,
-                 routing: RoutingConfig | None = None, **routing_fields) -> None:
-        # d_ffn: the width of the dense FFN an expert replaces (each expert: d_ffn / G)
+    d_model: int
+    d_ffn: int  # the width of the dense FFN an expert replaces (each expert: d_ffn / G)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    init_std: float = 0.02
+
+    @classmethod
+    def build(cls, d_model: int, d_ffn: int, init_std: float = 0.02,
+              routing: RoutingConfig | None = None, **routing_fields) -> "MoEConfig":
+        """From the widths and flat routing fields (``num_experts=8, lb_coeff=0.1``; names as
+        in the YAML), or a section with some of its fields changed."""
         if routing is None:
             routing = RoutingConfig.build(routing_fields)
         elif routing_fields:
             routing = routing.replace(**routing_fields)
-        self.d_model, self.d_ffn, self.init_std, self.routing = d_model, d_ffn, init_std, routing
+        return cls(d_model, d_ffn, routing, init_std)
 
-    def __getattr__(self, name: str):
-        # only called when normal lookup fails: a routing field (or a user router's option)
-        if name == "routing":
-            raise AttributeError(name)
-        return getattr(self.routing, name)
-
-    def __repr__(self) -> str:
-        return (f"MoEConfig(d_model={self.d_model}, d_ffn={self.d_ffn}, "
-                f"init_std={self.init_std}, routing={self.routing!r})")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MoEConfig) and \
-            (self.d_model, self.d_ffn, self.init_std, self.routing) == \
-            (other.d_model, other.d_ffn, other.init_std, other.routing)
+    @property
+    def options(self):
+        """The router's own options (:attr:`RoutingConfig.options`)."""
+        return self.routing.options
 
     @property
     def num_routed(self) -> int:
-        return self.num_experts * self.granularity
+        """N = E * G routed experts."""
+        return self.routing.num_experts * self.routing.granularity
 
     @property
     def d_expert(self) -> int:
-        return self.d_ffn // self.granularity
+        return self.d_ffn // self.routing.granularity
+
+    @property
+    def target_density(self) -> float:
+        """k/E: the share of experts a token uses on average (1 - target sparsity)."""
+        return self.routing.top_k / self.routing.num_experts
+
+
+def build_router(cfg, cls: type | None = None) -> Router:
+    """Build the token router of ``cfg`` (a :class:`remoe.model.moe.MoEConfig`): ``cls``, the
+    class its model build resolved once, or ``cfg.routing.router`` through
+    :mod:`remoe.model.registry` (built-ins and routers registered by user modules alike)."""
+    from remoe.model import registry
+
+    cls = cls or registry.resolve(cfg.routing.router)
+    if not (isinstance(cls, type) and issubclass(cls, Router)):
+        raise ValueError(f"model.router={cfg.routing.router!r} is an FFN kind, not a token router")
+    return cls.from_config(cfg)
 
 
 @dataclass
@@ -101,12 +118,13 @@ class MoELayer(nn.Module):
     #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.compile.set_dispatch_plan)
     static_plan: bool = False
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, router_cls: type | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.router = build_router(cfg)
+        self.router = build_router(cfg, router_cls)
+        r = cfg.routing
         self.experts = SwiGLUExperts(cfg.num_routed, cfg.d_model, cfg.d_expert, cfg.init_std,
-                                     backend=cfg.expert_backend, recompute=cfg.recompute_experts)
+                                     backend=r.expert_backend, recompute=r.recompute_experts)
         self.shared_expert = build_shared_expert(cfg)  # None unless cfg.shared_expert_size > 0
 
     def forward(self, x: Tensor, ctx: RouterContext | None = None) -> tuple[Tensor, LayerAux]:
@@ -144,12 +162,13 @@ class DenseFFN(nn.Module):
     has_router_weights = False
     expert_parallel = False
     uses_all_params = True
-    balance_offsets = False
 
     @classmethod
     def width(cls, cfg) -> int:
-        """Hidden width of the dense FFN (``cfg`` a MoEConfig or ReMoEConfig-like object)."""
-        return getattr(cfg, "d_ffn", None) or cfg.ffn_hidden_size
+        """Hidden width of the dense FFN (``cfg`` a MoEConfig or a ModelSpec)."""
+        # (by attribute, not isinstance: a saved model's bundled copy of this module may be
+        # loaded twice by transformers, each with its own MoEConfig class)
+        return cfg.d_ffn if hasattr(cfg, "d_ffn") else cfg.backbone.ffn_hidden_size
 
     @classmethod
     def from_config(cls, cfg: MoEConfig) -> "DenseFFN":
@@ -178,15 +197,17 @@ class DenseWideFFN(DenseFFN):
 
     @classmethod
     def width(cls, cfg) -> int:
-        return super().width(cfg) * cfg.num_experts
+        return super().width(cfg) * cfg.routing.num_experts
 
 
-def build_ffn(cfg: MoEConfig) -> nn.Module:
-    """The FFN slot named by ``cfg.router`` (:mod:`remoe.model.registry`): a token router goes into an
+def build_ffn(cfg: MoEConfig, cls: type | None = None) -> nn.Module:
+    """The FFN slot named by ``cfg.routing.router``: ``cls``, the class a model build resolved
+    once (:mod:`remoe.model.registry`), or resolved here. A token router goes into an
     :class:`MoELayer`, an FFN kind (dense, dense_wide, lory, ...) is the slot itself. Every
     kind returns ``(y, LayerAux)``."""
     from remoe.model import registry
 
-    if registry.is_token_router(cfg.router):
-        return MoELayer(cfg)
-    return registry.resolve(cfg.router).from_config(cfg)
+    cls = cls or registry.resolve(cfg.routing.router)
+    if issubclass(cls, Router):
+        return MoELayer(cfg, cls)
+    return cls.from_config(cfg)

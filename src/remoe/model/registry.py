@@ -12,7 +12,8 @@ other module spells a router's name:
 ``expert_parallel``   ``train.expert_parallel`` can shard its experts
 ``uses_all_params``   every parameter gets a gradient every step (False: DDP must look for
                       unused ones)
-``balance_offsets``   ``model.balance_bias_rate`` applies (a per-expert offset in the gate)
+``options``           the dataclass of its own options (:data:`BUILTIN_OPTIONS`, or
+                      ``register_router(options=)``), None when it has none
 ==================== ====================================================================
 
 and a classmethod ``from_config(cfg: MoEConfig)``. A user's router registers itself with
@@ -53,10 +54,23 @@ BUILTINS: dict[str, str] = {
 #: this set equal to the classes that override the hook)
 BUILTINS_WITH_CHECKS = frozenset({"topk_warmup", "blockffn", "lory"})
 
-#: the built-ins that declare their own options (a frozen dataclass, the class's ``options``
-#: attribute, as a user router's ``register_router(options=)``): their module is imported to
-#: read them only when one of them is the chosen router
-BUILTINS_WITH_OPTIONS = frozenset({"relu_threshold", "expert_threshold"})
+#: the options dataclass each built-in declares (its class's ``options``), by dotted path so
+#: that reading a config imports no router module: the torch-free ones live in
+#: ``remoe.model.routers.options``; the threshold routers' in their own (torch) modules, imported
+#: only when one of them is the chosen router. Names absent here declare none.
+_OPTIONS_MODULE = "remoe.model.routers.options"
+BUILTIN_OPTIONS: dict[str, str] = {
+    "relu": "remoe.model.routers.options:ReLUOptions",
+    "topk": "remoe.model.routers.options:TopKOptions",
+    "topk_warmup": "remoe.model.routers.options:TopKWarmupOptions",
+    "expert_choice": "remoe.model.routers.options:ExpertChoiceOptions",
+    "sparsemixer": "remoe.model.routers.options:SparseMixerOptions",
+    "topk_auxfree": "remoe.model.routers.options:AuxFreeOptions",
+    "blockffn": "remoe.model.routers.options:BlockFFNOptions",
+    "relu_threshold": "remoe.model.routers.relu_threshold:ReLUThresholdOptions",
+    "expert_threshold": "remoe.model.routers.expert_threshold:ExpertThresholdOptions",
+    "lory": "remoe.model.routers.options:LoryOptions",
+}
 
 _user: dict[str, type] = {}  # registered at import time by user modules (append-only)
 _options: dict[str, type] = {}  # a user router's options dataclass (register_router(options=))
@@ -92,14 +106,15 @@ def register_router(name: str, options: type | None = None):
     or an FFN-slot module available as ``model.router=name``.
 
     ``options``: a dataclass of the router's own config fields, each with a default (and, if
-    it has one, a ``validate(prefix)`` method raising ConfigError). They become model fields
+    it has one, a ``validate(prefix)`` method raising ConfigError). They become model keys
     while this router is chosen (``--set model.<option>=...``, ``config.json``), are type-
-    checked like the built-ins' and reach the router as ``cfg.<option>`` in ``from_config``."""
+    checked and reach the router as ``cfg.options.<option>`` in ``from_config``."""
 
     def deco(cls: type) -> type:
         _check_new(name, cls)
         _check_options(name, options)
         cls.registry_name = name
+        cls.options = options  # the class's declaration, as the built-ins'
         _user[name] = cls
         if options is not None:
             _options[name] = options
@@ -108,11 +123,26 @@ def register_router(name: str, options: type | None = None):
     return deco
 
 
+def _load(target: str) -> Any:
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def options_class(name: str) -> type | None:
-    """The options dataclass ``name`` declares (None: it declares none)."""
-    if name in BUILTINS_WITH_OPTIONS:
-        return resolve(name).options
-    return _options.get(name)
+    """The options dataclass ``name`` declares (None: it declares none, or nobody registered
+    ``name``: validation names that one)."""
+    if name in _user:
+        return _options.get(name)
+    target = BUILTIN_OPTIONS.get(name)
+    return _load(target) if target is not None else None
+
+
+def light_options() -> dict[str, type]:
+    """The built-ins' options importable without torch (every ``BUILTIN_OPTIONS`` entry in
+    ``remoe.model.routers.options``): their keys are model keys whichever router is chosen, so
+    every existing config and ``config.json`` (which stored them all) loads."""
+    return {n: _load(t) for n, t in BUILTIN_OPTIONS.items()
+            if t.split(":")[0] == _OPTIONS_MODULE}
 
 
 def resolve(name: str) -> type:
@@ -123,8 +153,7 @@ def resolve(name: str) -> type:
     if target is None:
         raise ConfigError(f"model.router={name!r} must be one of {', '.join(names())} "
                           "(or a router registered by the module named in model.router_module)")
-    module, attr = target.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return _load(target)
 
 
 def declares(name: str, what: str) -> Any:

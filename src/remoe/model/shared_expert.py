@@ -40,7 +40,7 @@ class SharedExpert(nn.Module):
 def build_shared_expert(cfg) -> SharedExpert | None:
     """The shared expert of an MoE layer config (a :class:`remoe.model.moe.MoEConfig`), or
     None when ``shared_expert_size`` is 0."""
-    width = cfg.shared_expert_size
+    width = cfg.routing.shared_expert_size
     if not width:
         return None
-    return SharedExpert(cfg.d_model, width, cfg.shared_expert_gate, cfg.init_std)
+    return SharedExpert(cfg.d_model, width, cfg.routing.shared_expert_gate, cfg.init_std)

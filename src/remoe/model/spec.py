@@ -2,13 +2,15 @@
 
 * :class:`BackboneConfig`: the LLaMA backbone (widths, depth, heads, RoPE, norms, init);
 * :class:`RoutingConfig`: the FFN slot: ``router`` (a name of :mod:`remoe.model.registry`), E, k,
-  G, every built-in router's options, and a user router's own (``router_options``);
+  G, the layer's expert options, and ``options``: the dataclass the chosen router declares
+  (a built-in's in :mod:`remoe.model.routers.options`, a user's ``register_router(options=)``);
 * :class:`SparsityControlConfig`: what the controller (:mod:`remoe.method.sparsity`) reads.
 
-:class:`ModelSpec` composes them; :class:`remoe.ReMoEConfig` and the YAML ``model:`` section
-store them flat (one ``config.json`` key per field). A field is declared once, in its section,
-with its default and its check; the loader, ``ReMoEConfig``, ``config.json`` and the MoE layer
-(which holds the routing section itself) pick it up.
+:class:`ModelSpec` composes them: it is the model config. :class:`remoe.ReMoEConfig` (its
+transformers serialisation) and the YAML ``model:`` section store it flat (one ``config.json``
+key per field, the router's options included). A field is declared once, in its section or its
+router's options, with its default and its check. No class here reads through to another:
+``spec.routing.options.lb_coeff`` says where a field lives.
 
 Without torch, ``remoe train --print-config`` and config errors stay fast (a router module is
 imported only if its class adds checks: :data:`remoe.model.registry.BUILTINS_WITH_CHECKS`).
@@ -24,19 +26,18 @@ from remoe.errors import ConfigError
 from remoe.model import registry
 from remoe.model.checks import (bools, is_int, is_real, need, nonnegative_reals, one_of,
                                  positive_ints)
+from remoe.model.routers.options import LORY_FIRST_SEGMENT, REG_TYPES  # noqa: F401 (public)
 
 #: The built-in values of ``model.router`` (remoe.model.registry; user modules may register more).
 #: ``dense`` and ``dense_wide`` replace the MoE layer by a dense SwiGLU FFN of width ``d_ffn``
 #: and ``num_experts * d_ffn`` ("Dense x E"); ``lory`` is Lory's segment-merging FFN.
 ROUTERS = tuple(registry.BUILTINS)
-REG_TYPES = ("lb", "l1")
 SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
 LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
 #: what happens to a dead expert: a hinge pulls its router row back | it becomes a copy of the
 #: busiest expert of its layer (remoe.train.revive_split)
 REVIVE_METHODS = ("hinge", "split")
 EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
-LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
 #: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section
 TOKEN_IDS = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0}
 
@@ -103,45 +104,37 @@ class BackboneConfig:
 @dataclass(frozen=True)
 class RoutingConfig:
     """The FFN slot: which router (or FFN kind), E experts, k, granularity G (E*G experts of
-    width d_ffn/G, k*G active), and each router's options (read by that router only)."""
+    width d_ffn/G, k*G active), the layer's expert options, and ``options``: the chosen
+    router's own options (the dataclass its class declares; read by that router only)."""
 
     router: str = "relu"
     router_module: str | None = None  # a user module that registers `router` on import
     num_experts: int = 8  # E
     top_k: int = 1  # k (stored as `moe_top_k` in ReMoEConfig / config.json)
     granularity: int = 1  # G
-    reg_type: str = "lb"  # ReLU: "lb" (eq. 9) or "l1" (eq. 8)
-    revive_coeff: float = 1e-2  # ReLU: weight of the dead-expert revival hinge
-    max_active: int = 0  # ReLU: at most this many experts per token (0: no cap, the paper)
-    # ReLU: gates ReLU(x W + b) with a per-expert offset b moved by this much per step toward
-    # balanced loads (auxiliary-loss-free balancing; 0: off, the paper)
-    balance_bias_rate: float = 0.0
-    gate_threshold: float = 0.0  # ReLU, inference only: gates <= tau count as inactive
-    topk_normalize: bool = False  # TopK: renormalise the kept probabilities to sum to 1
-    lb_coeff: float = 0.01  # TopK family: Switch load-balancing weight
-    capacity_factor: float = 1.0  # expert choice
-    lory_segment_len: int = 256
-    lory_first_segment: str = "uniform"  # "uniform" (causal) | "self" (Lory's Algorithm 1)
-    warmup_k: int = 6  # topk_warmup
-    warmup_steps: int = 100  # topk_warmup
-    sparsemixer_jitter: float = 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
-    bias_update_rate: float = 1e-3  # topk_auxfree: expert-bias step per optimizer step
-    blockffn_locality_coeff: float = 2e-3  # blockffn: weight of the activation-locality loss
-    blockffn_chunk_len: int = 64  # blockffn: tokens per chunk of the chunk-sparsification loss
     expert_backend: str = "auto"
     recompute_experts: bool = False
     # a shared SwiGLU expert of this width added to every MoE layer's output (0: none), scaled
     # per token by sigmoid(x w_g) when shared_expert_gate (Qwen2-MoE)
     shared_expert_size: int = 0
     shared_expert_gate: bool = True
-    #: the options a user's router declares (``register_router(name, options=...)``): an
-    #: instance of its options dataclass, None for the built-ins. Stored flat in config.json.
-    router_options: Any = dataclasses.field(default=None, metadata={"flat": False})
+    #: the options ``router`` declares (:func:`remoe.model.registry.options_class`): an instance
+    #: of its dataclass (None for a router that declares none); None given: its defaults.
+    #: Stored flat in config.json and the YAML (``model.lb_coeff``).
+    options: Any = dataclasses.field(default=None, metadata={"flat": False})
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            cls = user_options_class(self.router, self.router_module)
+            if cls is not None:
+                object.__setattr__(self, "options", cls())
 
     @classmethod
     def build(cls, fields: dict[str, Any], strict: bool = True) -> "RoutingConfig":
-        """The section from flat fields, a user router's options among them (its module is
-        imported first). Unknown keys raise ConfigError when ``strict``, else are ignored."""
+        """The section from flat fields, the chosen router's options among them (a user
+        router's module is imported first). Another built-in router's option (every one was a
+        model field, and old config.json files hold them all) is checked, then left out.
+        Unknown keys raise ConfigError when ``strict``, else are ignored."""
         own_names = {f.name for f in _flat_fields(cls)}
         own = {k: v for k, v in fields.items() if k in own_names}
         rest = {k: v for k, v in fields.items() if k not in own_names}
@@ -150,30 +143,27 @@ class RoutingConfig:
         if opts_cls is not None:
             names = {f.name for f in dataclasses.fields(opts_cls)}
             opts = opts_cls(**{k: rest.pop(k) for k in list(rest) if k in names})
+        for other in registry.light_options().values():  # other routers' options
+            names = {f.name for f in dataclasses.fields(other)} & set(rest)
+            if names:
+                other(**{k: rest[k] for k in names}).validate()
+        rest = {k: v for k, v in rest.items() if k not in _light_option_names()}
         if strict and rest:
             key = next(iter(rest))
-            allowed = [*section_fields(), *TOKEN_IDS,
-                       *(f.name for f in dataclasses.fields(opts_cls or _NoOptions))]
+            allowed = [*field_types(own.get("router", cls.router), own.get("router_module"))]
             raise ConfigError(f"unknown key model.{key} (allowed: preset, {', '.join(allowed)})")
-        return cls(**own, router_options=opts)
+        return cls(**own, options=opts)
 
     def replace(self, **fields: Any) -> "RoutingConfig":
-        """A copy with some fields (a user router's options included) changed."""
+        """A copy with some fields (the router's options included) changed."""
         return RoutingConfig.build({**self.flat(), **fields})
 
     def flat(self) -> dict[str, Any]:
-        """Every field, one level: the section's own, then the user router's options."""
+        """Every field, one level: the section's own, then the router's options."""
         out = {f.name: getattr(self, f.name) for f in _flat_fields(self)}
-        if self.router_options is not None:
-            out.update(dataclasses.asdict(self.router_options))
+        if self.options is not None:
+            out.update(dataclasses.asdict(self.options))
         return out
-
-    def __getattr__(self, name: str) -> Any:
-        # only called when normal lookup fails: a user router's option (cfg.<its option>)
-        opts = self.__dict__.get("router_options")
-        if opts is not None and not name.startswith("__") and hasattr(opts, name):
-            return getattr(opts, name)
-        raise AttributeError(name)
 
     @property
     def target_sparsity(self) -> float:
@@ -182,39 +172,17 @@ class RoutingConfig:
         return 1.0 - self.top_k / self.num_experts
 
     def validate(self, p: str = "model.") -> None:
-        """The section's own checks (the router's hook runs in :meth:`ModelSpec.validate`)."""
+        """The section's own checks and its options' (the router's cross-field hook runs in
+        :meth:`ModelSpec.validate`)."""
         if self.router_module:  # a user's router registers itself on import
             registry.import_modules([self.router_module], f"{p}router_module")
-        positive_ints(self, ("num_experts", "top_k", "granularity", "lory_segment_len",
-                              "warmup_k", "blockffn_chunk_len"), p)
+        positive_ints(self, ("num_experts", "top_k", "granularity"), p)
         need(isinstance(self.router, str) and self.router in registry.names(),
               f"{p}router={self.router!r} must be one of {', '.join(registry.names())} (or a "
               "router registered by the module named in model.router_module)")
-        one_of(self, "reg_type", REG_TYPES, p)
         one_of(self, "expert_backend", EXPERT_BACKENDS, p)
         need(self.top_k <= self.num_experts,
               f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
-        nonnegative_reals(self, ("revive_coeff", "gate_threshold", "bias_update_rate",
-                                  "blockffn_locality_coeff", "balance_bias_rate"), p)
-        # (the router's class is imported, torch with it, only when the option is set)
-        need(self.balance_bias_rate == 0
-              or getattr(registry.resolve(self.router), "balance_offsets", False),
-              f"{p}balance_bias_rate={self.balance_bias_rate!r} is an option of routers with "
-              f"balancing offsets (relu), not {p}router={self.router!r} (topk_auxfree has "
-              "bias_update_rate)")
-        need(is_int(self.max_active) and self.max_active >= 0,
-              f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
-        need(isinstance(self.topk_normalize, bool),
-              f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
-        need(is_real(self.lb_coeff) and self.lb_coeff >= 0,
-              f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
-        need(is_real(self.capacity_factor) and self.capacity_factor > 0,
-              f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
-        need(is_int(self.warmup_steps) and self.warmup_steps >= 0,
-              f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        need(is_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
-              f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
-        one_of(self, "lory_first_segment", LORY_FIRST_SEGMENT, p)
         bools(self, ("shared_expert_gate",), p)
         v = self.shared_expert_size
         need(is_int(v) and v >= 0,
@@ -222,8 +190,12 @@ class RoutingConfig:
         need(v == 0 or registry.is_token_router(self.router),
               f"{p}shared_expert_size={v} needs a token router (an MoE layer), not "
               f"{p}router={self.router!r}")
-        if self.router_options is not None:
-            _check_options(self.router_options, p)
+        opts_cls = registry.options_class(self.router)
+        need(type(self.options) is (opts_cls or type(None)),
+              f"{p}router={self.router!r} takes options {getattr(opts_cls, '__name__', None)}, "
+              f"not {type(self.options).__name__}")
+        if self.options is not None:
+            _check_options(self.options, p)
 
 
 @dataclass(frozen=True)
@@ -291,16 +263,18 @@ class _NoOptions:  # the options of a router that declares none
 
 
 def user_options_class(router: Any, router_module: Any = None) -> type | None:
-    """The options dataclass a user's router declares, or a built-in of
-    ``registry.BUILTINS_WITH_OPTIONS`` (None for the other built-ins, for a router that declares
-    none, and for a name nobody registered: validation names that one)."""
-    if not isinstance(router, str) or (router in registry.BUILTINS
-                                       and router not in registry.BUILTINS_WITH_OPTIONS):
+    """The options dataclass ``router`` declares, a built-in's or a user router's (imported
+    from ``router_module`` if needed); None for a router that declares none and for a name
+    nobody registered (validation names that one). A user router's option may not reuse the
+    name of a section field."""
+    if not isinstance(router, str):
         return None
     if router_module and router not in registry.names():
         registry.import_modules([router_module], "model.router_module")
-    opts = registry.options_class(router) if router in registry.names() else None
-    if opts is not None:
+    if router not in registry.names():
+        return None
+    opts = registry.options_class(router)
+    if opts is not None and router not in registry.BUILTINS:
         taken = set(section_fields()) | set(TOKEN_IDS) | {"preset", "moe_top_k"}
         clash = [f.name for f in dataclasses.fields(opts) if f.name in taken]
         need(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
@@ -308,10 +282,18 @@ def user_options_class(router: Any, router_module: Any = None) -> type | None:
     return opts
 
 
+def _light_option_names() -> set[str]:
+    return {f.name for c in registry.light_options().values() for f in dataclasses.fields(c)}
+
+
 def field_types(router: Any = "relu", router_module: Any = None) -> dict[str, str]:
-    """Every flat model field -> its annotation, the options of ``router`` (a user router's,
-    imported from ``router_module`` if needed) and the token ids included."""
+    """Every flat model key -> its annotation: the sections' fields, every built-in router's
+    options (keys of the YAML and of old config.json files whichever router is chosen), the
+    options of ``router`` (a user router's, imported from ``router_module`` if needed) and the
+    token ids."""
     out = {name: str(f.type) for name, (_, f) in section_fields().items()}
+    for c in registry.light_options().values():
+        out.update({f.name: _annotation(f) for f in dataclasses.fields(c)})
     opts = user_options_class(router, router_module)
     if opts is not None:
         out.update({f.name: _annotation(f) for f in dataclasses.fields(opts)})
@@ -330,9 +312,11 @@ _OPTION_TYPES = {"int": is_int, "float": is_real, "bool": lambda v: isinstance(v
 
 
 def _check_options(opts: Any, p: str) -> None:
-    """A user router's options: each value of its declared type, then the class's own
+    """A router's options: each value of its declared type (the options of
+    ``remoe.model.routers.options`` check their own), then the class's own
     ``validate(prefix)`` if it has one (ConfigError naming the field either way)."""
-    for f in dataclasses.fields(opts):
+    light = type(opts) in registry.light_options().values()
+    for f in ([] if light else dataclasses.fields(opts)):
         v, t = getattr(opts, f.name), _annotation(f).replace(" ", "")
         if v is None and t.endswith("|None"):
             continue
@@ -344,17 +328,18 @@ def _check_options(opts: Any, p: str) -> None:
 
 
 def defaults() -> dict[str, Any]:
-    """Every model field's default (``ffn_hidden_size`` None: 4 x hidden_size)."""
+    """Every model key's default, the built-in routers' options included
+    (``ffn_hidden_size`` None: 4 x hidden_size)."""
     out = {name: f.default for name, (_, f) in section_fields().items()}
+    for c in registry.light_options().values():
+        out.update({f.name: f.default for f in dataclasses.fields(c)})
     return {**out, **TOKEN_IDS}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model config, composed: ``backbone``, ``routing``, ``control``.
-
-    Attribute reads fall through to the sections (``spec.num_experts``), so a router's
-    ``validate_config(cfg)`` hook sees one flat namespace, as in ``ReMoEConfig``."""
+    """The model config, composed: ``backbone``, ``routing`` (with the router's ``options``),
+    ``control``. Read a field through its section (``spec.routing.num_experts``)."""
 
     backbone: BackboneConfig = dataclasses.field(default_factory=BackboneConfig)
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
@@ -393,21 +378,13 @@ class ModelSpec:
         out.update(dataclasses.asdict(self.control))
         return out
 
-    def __getattr__(self, name: str) -> Any:
-        # only called when normal lookup fails: read through to the section holding the field
-        if name.startswith("__") or name in SECTIONS:
-            raise AttributeError(name)
-        known = section_fields()
-        if name in known:
-            return getattr(object.__getattribute__(self, known[name][0]), name)
-        return getattr(object.__getattribute__(self, "routing"), name)  # a router's option
-
     @property
     def target_sparsity(self) -> float:
         return self.routing.target_sparsity
 
     def validate(self, p: str = "model.") -> None:
-        """Each section's checks, then the cross-section ones and the router's own hook."""
+        """Each section's checks, then the cross-section ones and the router's own hook
+        (``validate_config(spec, prefix)``: it reads ``spec.routing``, ``spec.control``, ...)."""
         self.backbone.validate(p)
         self.routing.validate(p)
         g, ffn = self.routing.granularity, self.backbone.ffn_hidden_size

@@ -35,7 +35,7 @@ class FlopCounter:
         if c.is_moe and shared:
             per_layer += 2 * (3 * D * shared + (D if c.shared_expert_gate else 0))
         if not c.is_moe:
-            per_layer += 2 * 3 * D * kind.width(c)
+            per_layer += 2 * 3 * D * kind.width(c.spec)
         return L * per_layer + 2 * D * c.vocab_size
 
     def expert_pair_flops(self) -> float:
@@ -50,7 +50,8 @@ class FlopCounter:
     def effective_pairs(self, counted_pairs: float, tokens: int) -> float:
         """Pairs that cost an expert computation. Lory reports every expert as used by every
         token but computes one merged expert per token (plus merging E experts per segment)."""
-        return registry.resolve(self.cfg.router).effective_pairs(self.cfg, counted_pairs, tokens)
+        return registry.resolve(self.cfg.router).effective_pairs(self.cfg.spec, counted_pairs,
+                                                                 tokens)
 
     def train_flops(self, tokens: int, active_pairs: float) -> float:
         return 3.0 * self.forward_flops(tokens, active_pairs)

@@ -142,7 +142,7 @@ def _hf_block(layer: MoELayer, case: LayerCase, impl: str):
 
 
 def _moe_cfg(case: LayerCase, router: str, backend: str = "auto") -> MoEConfig:
-    return MoEConfig(d_model=case.d_model, d_ffn=case.d_ffn, num_experts=case.E, top_k=case.k,
+    return MoEConfig.build(d_model=case.d_model, d_ffn=case.d_ffn, num_experts=case.E, top_k=case.k,
                      granularity=case.G, router=router, expert_backend=backend)
 
 
@@ -168,10 +168,10 @@ def build_rows(case: LayerCase, rows: tuple[str, ...] = ROWS, seed: int = 0):
     ctx = RouterContext(batch_size=B, seq_len=S)
     mods = {}
     if "dense" in rows:
-        mods["dense"] = DenseFFN(MoEConfig(d_model=case.d_model, d_ffn=case.d_ffn * case.k,
+        mods["dense"] = DenseFFN(MoEConfig.build(d_model=case.d_model, d_ffn=case.d_ffn * case.k,
                                            num_experts=case.E, top_k=case.k, router="dense"))
     if "dense_wide" in rows:  # stage I's floor: all E x d_ffn of hidden width, dense
-        mods["dense_wide"] = DenseFFN(MoEConfig(d_model=case.d_model, d_ffn=case.d_ffn * case.E,
+        mods["dense_wide"] = DenseFFN(MoEConfig.build(d_model=case.d_model, d_ffn=case.d_ffn * case.E,
                                                 num_experts=case.E, top_k=case.k, router="dense"))
     if "relu_stage1" in rows:  # ReMoE's stage I: every expert active for every token
         torch.manual_seed(seed + 1)

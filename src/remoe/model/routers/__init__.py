@@ -1,27 +1,23 @@
 """Routers: one interface (:class:`Router` -> :class:`Routing`), one registry.
 
-``build_router(cfg)`` maps ``MoEConfig.router`` to a router through :mod:`remoe.model.registry`;
-each module holds one method and declares what the rest of remoe needs to know about it.
+``build_router(cfg)`` maps ``MoEConfig.routing.router`` to a router through
+:mod:`remoe.model.registry`; each module holds one method and declares what the rest of remoe
+needs to know about it, its options dataclass included (:mod:`remoe.model.routers.options`,
+torch-free). Light to import (PEP 562): reading a config imports the options module only.
 """
 
 from __future__ import annotations
 
-from remoe.model.routers.base import Router, RouterContext, Routing
-from remoe.model.routers.relu import ReLURouter, l1_regularizer
-from remoe.model.routers.topk import TopKRouter, TopKWarmupRouter, switch_load_balancing_loss
+from remoe.lazy import lazy_names
 
+_LAZY = {
+    "Router": "remoe.model.routers.base", "RouterContext": "remoe.model.routers.base",
+    "Routing": "remoe.model.routers.base", "build_router": "remoe.model.moe",
+    "ReLURouter": "remoe.model.routers.relu", "l1_regularizer": "remoe.model.routers.relu",
+    "TopKRouter": "remoe.model.routers.topk", "TopKWarmupRouter": "remoe.model.routers.topk",
+    "switch_load_balancing_loss": "remoe.model.routers.topk",
+}
 
-def build_router(cfg) -> Router:
-    """Build the token router named by ``cfg.router`` (a :class:`remoe.model.moe.MoEConfig`)
-    through :mod:`remoe.model.registry`: built-ins and routers registered by user modules alike."""
-    from remoe.model import registry
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
-    cls = registry.resolve(cfg.router)
-    if not (isinstance(cls, type) and issubclass(cls, Router)):
-        raise ValueError(f"model.router={cfg.router!r} is an FFN kind, not a token router")
-    return cls.from_config(cfg)
-
-
-__all__ = ["Router", "RouterContext", "Routing", "ReLURouter", "TopKRouter", "TopKWarmupRouter",
-           "build_router",
-           "l1_regularizer", "switch_load_balancing_loss"]
+__all__ = list(_LAZY)

@@ -69,8 +69,9 @@ class Router(nn.Module):
     expert_parallel: bool = True
     #: every parameter gets a gradient in every step (False: DDP looks for unused ones)
     uses_all_params: bool = True
-    #: ``model.balance_bias_rate`` moves a per-expert offset inside its gate (ReLU(x W + b))
-    balance_offsets: bool = False
+    #: the dataclass of this router's own options (``remoe.model.routers.options``; a user
+    #: router's: ``register_router(options=...)``); None: it has none
+    options: type | None = None
 
     @classmethod
     def from_config(cls, cfg) -> "Router":
@@ -134,3 +135,4 @@ def bias_update(load_N: Tensor, rate: float) -> Tensor:
     load_N = load_N.to(torch.float64)
     delta_N = rate * torch.sign(load_N.mean() - load_N)
     return delta_N - delta_N.mean()
+

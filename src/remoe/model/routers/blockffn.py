@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.options import BlockFFNOptions
 
 RMS_EPS = 1e-5  # the norm's eps: BlockFFN's layer-norm eps (and remoe's rms_norm_eps default)
 PROB_EPS = 1e-5  # BlockFFN's eps in p = h / (sum h + eps) and in log(1 - p + eps)
@@ -74,6 +75,7 @@ class BlockFFNRouter(Router):
     """Gates ``RMSNorm(ReLU(x W)) * w``; reg = chunk sparsification, aux = activation locality."""
 
     uses_adaptive_reg = True
+    options = BlockFFNOptions
 
     def __init__(self, d_model: int, num_experts: int, chunk_len: int = 64,
                  locality_coeff: float = 2e-3, init_std: float = 0.02) -> None:
@@ -84,15 +86,16 @@ class BlockFFNRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "BlockFFNRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.blockffn_chunk_len,
-                   cfg.blockffn_locality_coeff, init_std=cfg.init_std)
+        o = cfg.options
+        return cls(cfg.d_model, cfg.num_routed, o.blockffn_chunk_len,
+                   o.blockffn_locality_coeff, init_std=cfg.init_std)
 
     @classmethod
     def validate_config(cls, cfg, prefix: str = "model.") -> None:
         from remoe.errors import ConfigError
 
-        if getattr(cfg, "revive_after", 0):
-            raise ConfigError(f"{prefix}revive_after={cfg.revive_after} must be 0 for "
+        if cfg.control.revive_after:
+            raise ConfigError(f"{prefix}revive_after={cfg.control.revive_after} must be 0 for "
                               f"{prefix}router=blockffn (the revival hinge is the ReLU router's)")
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:

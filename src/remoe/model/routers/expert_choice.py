@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.options import ExpertChoiceOptions
 from remoe.model.routers.topk import topk_mask
 
 
@@ -51,6 +52,8 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
 class ExpertChoiceRouter(Router):
     """Each expert picks its top-C tokens by softmax score (see the module docstring)."""
 
+    options = ExpertChoiceOptions
+
     def __init__(self, d_model: int, num_experts: int, k: int, capacity_factor: float = 1.0,
                  init_std: float = 0.02) -> None:
         super().__init__(d_model, num_experts, init_std)
@@ -61,12 +64,13 @@ class ExpertChoiceRouter(Router):
 
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
-        return float(cfg.top_k * cfg.granularity * cfg.capacity_factor)  # each expert's capacity
+        return float(cfg.top_k * cfg.granularity * cfg.options.capacity_factor)  # each expert's capacity
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertChoiceRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
-                   cfg.capacity_factor, init_std=cfg.init_std)
+        r = cfg.routing
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity,
+                   cfg.options.capacity_factor, init_std=cfg.init_std)
 
     @property
     def active_experts_per_token(self) -> float:

@@ -106,9 +106,9 @@ class ExpertThresholdRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertThresholdRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
-                   threshold_ema_decay=cfg.threshold_ema_decay,
-                   threshold_rate=cfg.threshold_rate, init_std=cfg.init_std)
+        return cls(cfg.d_model, cfg.num_routed, cfg.target_density,
+                   threshold_ema_decay=cfg.options.threshold_ema_decay,
+                   threshold_rate=cfg.options.threshold_rate, init_std=cfg.init_std)
 
     @property
     def threshold_N(self) -> Tensor:

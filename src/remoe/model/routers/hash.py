@@ -53,8 +53,8 @@ class HashRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "HashRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
-                   init_std=cfg.init_std)
+        r = cfg.routing
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, init_std=cfg.init_std)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         T = x_TD.shape[0]

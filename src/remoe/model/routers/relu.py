@@ -5,12 +5,26 @@ Legend: T tokens, D model width, N experts (E*G).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, bias_update, zero
+from remoe.model.routers.options import ReLUOptions
+
+
+def relu_options(options) -> ReLUOptions:
+    """The ReLU options in ``options``: the router's own (a user router deriving from
+    :class:`ReLURouter` gets them by deriving its options from :class:`ReLUOptions`), else the
+    defaults (the paper's router). By field names, not isinstance: transformers may load a
+    saved model's bundled code twice (config and model), each copy with its own classes."""
+    have = {f.name for f in dataclasses.fields(options)} if options is not None else set()
+    return options if _RELU_FIELDS <= have else ReLUOptions()
+
+
+_RELU_FIELDS = {f.name for f in dataclasses.fields(ReLUOptions)}
 
 
 def l1_regularizer(gates_TN: Tensor, mask_TN: Tensor, target_density: float,
@@ -66,7 +80,6 @@ class ReLURouter(Router):
     """
 
     uses_adaptive_reg = True
-    balance_offsets = True
 
     def __init__(self, d_model: int, num_experts: int, target_density: float,
                  load_balance: bool = True, init_std: float = 0.02, max_active: int = 0,
@@ -83,21 +96,25 @@ class ReLURouter(Router):
             self.register_buffer("expert_bias_N", torch.zeros(num_experts, dtype=torch.float32),
                                  persistent=True)
 
+    options = ReLUOptions
+
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
         if step is not None and step < dense_steps:
             # stage I: a ReLU gate of a zero-mean logit is open half of the time (N/2 experts
             # per token), bounded by the cap on experts per token when there is one
             n = cfg.num_experts * cfg.granularity / 2.0
-            return float(min(n, cfg.max_active)) if cfg.max_active else n
+            cap = relu_options(cfg.options).max_active
+            return float(min(n, cap)) if cap else n
         return super().expected_pairs(cfg, step, dense_steps)
 
     @classmethod
     def from_config(cls, cfg) -> "ReLURouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
-                   load_balance=cfg.reg_type == "lb", init_std=cfg.init_std,
-                   max_active=cfg.max_active, gate_threshold=cfg.gate_threshold,
-                   revive_coeff=cfg.revive_coeff, balance_bias_rate=cfg.balance_bias_rate)
+        o = relu_options(cfg.options)
+        return cls(cfg.d_model, cfg.num_routed, cfg.target_density,
+                   load_balance=o.reg_type == "lb", init_std=cfg.init_std,
+                   max_active=o.max_active, gate_threshold=o.gate_threshold,
+                   revive_coeff=o.revive_coeff, balance_bias_rate=o.balance_bias_rate)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         logits_TN = self.logits(x_TD)

@@ -111,9 +111,9 @@ class ReLUThresholdRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "ReLUThresholdRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k / cfg.num_experts,
-                   threshold_rate=cfg.threshold_rate,
-                   threshold_ema_decay=cfg.threshold_ema_decay, init_std=cfg.init_std)
+        return cls(cfg.d_model, cfg.num_routed, cfg.target_density,
+                   threshold_rate=cfg.options.threshold_rate,
+                   threshold_ema_decay=cfg.options.threshold_ema_decay, init_std=cfg.init_std)
 
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.options import SparseMixerOptions
 from remoe.model.routers.topk import switch_load_balancing_loss
 
 #: GRIN's midpoint rule: a sampled non-arg-max expert keeps its full gate with this probability.
@@ -102,6 +103,8 @@ def sparsemixer_route(logits_TN: Tensor, k: int, eps: float, training: bool) -> 
 class SparseMixerRouter(Router):
     """TopK routing with GRIN's SparseMixer-v2 gradient estimator and the Switch LB loss."""
 
+    options = SparseMixerOptions
+
     def __init__(self, d_model: int, num_experts: int, k: int, lb_coeff: float = 0.01,
                  jitter_eps: float = 0.01, init_std: float = 0.02) -> None:
         super().__init__(d_model, num_experts, init_std)
@@ -113,8 +116,9 @@ class SparseMixerRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "SparseMixerRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
-                   cfg.lb_coeff, cfg.sparsemixer_jitter, init_std=cfg.init_std)
+        r, o = cfg.routing, cfg.options
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity,
+                   o.lb_coeff, o.sparsemixer_jitter, init_std=cfg.init_std)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         logits_TN = self.logits(x_TD)

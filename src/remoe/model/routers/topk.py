@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.options import TopKOptions, TopKWarmupOptions
 
 
 def switch_load_balancing_loss(probs_TN: Tensor, mask_TN: Tensor) -> Tensor:
@@ -52,10 +53,13 @@ class TopKRouter(Router):
         self.warmup_steps = warmup_steps
         self.normalize = normalize
 
+    options = TopKOptions
+
     @classmethod
     def from_config(cls, cfg) -> "TopKRouter":
-        return cls(cfg.d_model, cfg.num_experts * cfg.granularity, cfg.top_k * cfg.granularity,
-                   cfg.lb_coeff, init_std=cfg.init_std, normalize=cfg.topk_normalize)
+        r, o = cfg.routing, cfg.options
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, o.lb_coeff,
+                   init_std=cfg.init_std, normalize=o.topk_normalize)
 
     def active_k(self, step: int | None) -> int:
         """k in force at an optimizer step (``None`` = inference = after warm-up)."""
@@ -78,23 +82,26 @@ class TopKWarmupRouter(TopKRouter):
     """TopK with the near-dense warm-up of the paper's Appendix F (``warmup_k`` x G experts for
     the first ``warmup_steps`` optimizer steps, then k x G)."""
 
+    options = TopKWarmupOptions
+
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
-        if step is not None and step < cfg.warmup_steps:
-            return float(cfg.warmup_k * cfg.granularity)
+        if step is not None and step < cfg.options.warmup_steps:
+            return float(cfg.options.warmup_k * cfg.granularity)
         return super().expected_pairs(cfg, step, dense_steps)
 
     @classmethod
     def from_config(cls, cfg) -> "TopKWarmupRouter":
-        G = cfg.granularity
-        return cls(cfg.d_model, cfg.num_experts * G, cfg.top_k * G, cfg.lb_coeff,
-                   warmup_k=cfg.warmup_k * G, warmup_steps=cfg.warmup_steps,
-                   init_std=cfg.init_std, normalize=cfg.topk_normalize)
+        r, o = cfg.routing, cfg.options
+        G = r.granularity
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * G, o.lb_coeff,
+                   warmup_k=o.warmup_k * G, warmup_steps=o.warmup_steps,
+                   init_std=cfg.init_std, normalize=o.topk_normalize)
 
     @classmethod
     def validate_config(cls, cfg, prefix: str = "model.") -> None:
         from remoe.errors import ConfigError
 
-        if cfg.warmup_k > cfg.num_experts:
-            raise ConfigError(f"{prefix}warmup_k={cfg.warmup_k} must be <= "
-                              f"{prefix}num_experts={cfg.num_experts}")
+        k, E = cfg.routing.options.warmup_k, cfg.routing.num_experts
+        if k > E:
+            raise ConfigError(f"{prefix}warmup_k={k} must be <= {prefix}num_experts={E}")

@@ -23,11 +23,14 @@ import torch
 from torch import Tensor
 
 from remoe.model.routers.base import Router, RouterContext, Routing, bias_update, zero
+from remoe.model.routers.options import AuxFreeOptions
 from remoe.model.routers.topk import topk_mask
 
 
 class AuxFreeTopKRouter(Router):
     """TopK of ``softmax(x W) + expert_bias_N`` for selection; gates from the unbiased softmax."""
+
+    options = AuxFreeOptions
 
     def __init__(self, d_model: int, num_experts: int, k: int, bias_update_rate: float = 1e-3,
                  init_std: float = 0.02, normalize: bool = False) -> None:
@@ -40,9 +43,9 @@ class AuxFreeTopKRouter(Router):
 
     @classmethod
     def from_config(cls, cfg) -> "AuxFreeTopKRouter":
-        G = cfg.granularity
-        return cls(cfg.d_model, cfg.num_experts * G, cfg.top_k * G, cfg.bias_update_rate,
-                   init_std=cfg.init_std, normalize=cfg.topk_normalize)
+        r, o = cfg.routing, cfg.options
+        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, o.bias_update_rate,
+                   init_std=cfg.init_std, normalize=o.topk_normalize)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         probs_TN = torch.softmax(self.logits(x_TD), dim=-1)
