@@ -86,48 +86,16 @@ def test_thresholds_saved_and_restored(name, tmp_path):
     assert torch.equal(model(ids).logits, back(ids).logits)
 
 
-def _observe_step(r, x, counts, T):
-    """One training forward of ``x`` (its logit statistics), then the step's update."""
-    r.train()
-    with torch.enable_grad():
-        out = r(x, _ctx(x.shape[0]))
-    r.after_step_with_tokens(torch.tensor(counts, dtype=torch.float64), T)
-    return out
-
-
 def test_relu_threshold_gates_and_update_by_hand():
-    r = ReLUThresholdRouter(2, 4, 1 / 4, threshold_rate=0.1, threshold_ema_decay=0.5)
+    r = ReLUThresholdRouter(2, 4, 1 / 4, threshold_rate=0.1)
     with torch.no_grad():
         r.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]))
-    # logits per expert: [1, 3, -1, 1], [2, 0, 0, -2] and their negatives: means 1, 0, -1, 0,
-    # every std sqrt(8/3)
-    x = torch.tensor([[1.0, 2.0], [3.0, 0.0], [-1.0, 0.0], [1.0, -2.0]])
-    s = math.sqrt(8 / 3)
-    # 40 tokens, target 10 per expert: loads 20, 10, 5, 0 -> errors +1, 0, -0.5, -1; the first
-    # update has no previous mean to shift from
-    _observe_step(r, x, [20.0, 10.0, 5.0, 0.0], 40)
-    assert r.threshold_N.tolist() == pytest.approx([0.1 * s, 0.0, -0.05 * s, -0.1 * s])
-    assert r.logit_mean_N.tolist() == pytest.approx([1.0, 0.0, -1.0, 0.0])
-    # on target, the logits of experts 0 and 2 shifted by +1 and -1: the thresholds follow
-    # the EMA of the mean (decay 0.5: half the shift now)
-    theta = r.threshold_N.clone()
-    _observe_step(r, x + torch.tensor([1.0, 0.0]), [10.0] * 4, 40)
-    assert (r.threshold_N - theta).tolist() == pytest.approx([0.5, 0.0, -0.5, 0.0], abs=1e-6)
-    # not centred: all over target -> every threshold rises, the mean with them; two
-    # micro-batches in one step: their mean statistics (here the same as one); the EMA moves
-    # on by a quarter of the shift
-    theta = r.threshold_N.clone()
-    r(x + torch.tensor([1.0, 0.0]), _ctx(4))
-    _observe_step(r, x + torch.tensor([1.0, 0.0]), [20.0] * 4, 40)
-    want = [0.1 * s + 0.25, 0.1 * s, 0.1 * s - 0.25, 0.1 * s]
-    assert (r.threshold_N - theta).tolist() == pytest.approx(want, abs=1e-6)
-    assert r.logit_mean_N.tolist() == pytest.approx([1.75, 0.0, -1.75, 0.0])
-    theta = r.threshold_N.clone()
-    r.after_step_with_tokens(torch.ones(4), 40)  # no training forward in the step: no update
-    assert torch.equal(r.threshold_N, theta) and int(r.threshold_updates) == 3
-    with torch.no_grad():
-        r.threshold_N.copy_(torch.tensor([0.2, 0.1, 0.05, 0.0]))
-    r.eval()
+    # 40 tokens, target 10 per expert: loads 20, 10, 5, 0 -> errors +1, 0, -0.5, -1
+    r.after_step_with_tokens(torch.tensor([20.0, 10.0, 5.0, 0.0], dtype=torch.float64), 40)
+    assert r.threshold_N.tolist() == pytest.approx([0.1, 0.0, -0.05, -0.1])
+    # not centred: all over target -> every threshold rises, the mean with them
+    r.after_step_with_tokens(torch.tensor([20.0, 20.0, 20.0, 20.0]), 40)
+    assert r.threshold_N.tolist() == pytest.approx([0.2, 0.1, 0.05, 0.0])
     x = torch.tensor([[0.5, -0.1], [-0.1, 0.2]])
     out = r(x, _ctx(2))
     # logits [0.5, -0.1, -0.5, 0.1] and [-0.1, 0.2, 0.1, -0.2], minus the thresholds
@@ -135,38 +103,8 @@ def test_relu_threshold_gates_and_update_by_hand():
     assert torch.allclose(out.gates_TN, want)
     assert torch.equal(out.mask_TN, want > 0)
     assert out.reg_loss.item() == 0.0
-    assert r._pending is None  # evaluation forwards are not observed
     with pytest.raises(ValueError, match="token count"):
         r.after_step_with_tokens(torch.ones(4), None)
-
-
-def test_relu_threshold_holds_the_target_while_the_logits_drift():
-    """Without a penalty the LM gradient moves each expert's logits as a whole, by a sizeable
-    part of their spread per step, and their spread grows. Simulated here: every logit rises by
-    0.3 of its spread per step and the spread grows 1% per step. The thresholds hold the layer
-    within 0.01 of sparsity 1 - k/E and every expert within 10% of its load k T / E."""
-    torch.manual_seed(0)
-    T, D, N = 4096, 8, 8
-    r = ReLUThresholdRouter(D, N, 1 / N)  # the default rate
-    with torch.no_grad():
-        r.weight.normal_(std=0.05)
-    x = torch.randn(T, D)
-    x[:, 0] = 1.0  # a constant feature: its weight column shifts every logit
-    sparsity, counts = [], None
-    for _ in range(300):
-        r.train()
-        with torch.enable_grad():
-            mask = r(x, _ctx(T)).mask_TN
-        counts = mask.sum(0).double()
-        sparsity.append(1.0 - float(counts.sum()) / (T * N))
-        r.after_step_with_tokens(counts, T)
-        with torch.no_grad():  # the optimizer's drift
-            spread = (x @ r.weight.t()).std(0)
-            r.weight[:, 0] += 0.3 * spread
-            r.weight[:, 1:] *= 1.01
-    tail = sum(sparsity[-100:]) / 100
-    assert abs(tail - 0.875) < 0.01, (tail, sparsity[-10:])
-    assert (counts / (T / N) - 1).abs().max() < 0.1, counts
 
 
 def _skewed(cls, **kw):
@@ -188,7 +126,7 @@ def _step(router, x):
     return counts_N
 
 
-@pytest.mark.parametrize("cls,kw", [(ReLUThresholdRouter, {}),
+@pytest.mark.parametrize("cls,kw", [(ReLUThresholdRouter, {"threshold_rate": 0.05}),
                                     (ExpertThresholdRouter, {"threshold_ema_decay": 0.5})])
 def test_thresholds_follow_a_load_imbalance(cls, kw):
     r = _skewed(cls, **kw)
@@ -336,43 +274,5 @@ def test_expert_threshold_averages_the_quantiles_over_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
-
-
-def _relu_two_rank_worker(rank: int, world: int, root: str) -> None:
-    import pathlib
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank,
-                            world_size=world)
-    try:
-        r = ReLUThresholdRouter(2, 2, 1 / 2, threshold_rate=0.1, threshold_ema_decay=0.0)
-        with torch.no_grad():
-            r.weight.copy_(torch.eye(2))
-        # rank 0's tokens have logit means (1, 0), rank 1's (3, 2); every std sqrt(2)
-        x = torch.tensor([[0.0, -1.0], [2.0, 1.0]]) + 2.0 * rank
-        r.train()
-        with torch.enable_grad():
-            r(x, _ctx(2))
-        r.after_step_with_tokens(torch.tensor([2.0, 6.0]), 8)  # errors -0.5, +0.5
-        s = math.sqrt(2)
-        # the first update: theta = mean over ranks (2, 1) + s * ((0 - mean) / s + 0.1 * err)
-        assert r.threshold_N.tolist() == pytest.approx([-0.05 * s, 0.05 * s], abs=1e-6)
-        assert r.logit_mean_N.tolist() == pytest.approx([2.0, 1.0])
-        r.after_step_with_tokens(torch.tensor([4.0, 4.0]), 8)  # no forward on either rank
-        assert int(r.threshold_updates) == 1
-        (pathlib.Path(root) / f"ok-{rank}").write_text("ok")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_relu_threshold_averages_the_logit_statistics_over_ranks(tmp_path):
-    """Data-parallel ranks fold the same mean statistics in (every rank's thresholds agree)."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_relu_two_rank_worker, args=(2, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]

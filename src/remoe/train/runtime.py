@@ -45,7 +45,8 @@ def settle_threads(rt: Runtime, tc, state: dict | None, is_main: bool) -> None:
     """The run's thread count, fixed in ``rt.num_threads``: a resume under
     ``train.num_threads: null`` reuses the count the run recorded (its checkpoint's, else its
     last metrics line's), so the resumed steps compute what the uninterrupted run would have;
-    then the load hint (rank 0). Nothing to do under ``train.num_threads=auto`` (timed)."""
+    then the load hint (rank 0, on CPU: on a GPU the host threads do not set the speed).
+    Nothing to do under ``train.num_threads=auto`` (timed)."""
     if rt.threads is not None:
         return
     recorded = None
@@ -55,7 +56,7 @@ def settle_threads(rt: Runtime, tc, state: dict | None, is_main: bool) -> None:
     if recorded is not None and recorded != rt.num_threads and is_main:
         rundir.say(f"--resume: {want} threads, as the run recorded (this process would "
                    f"use {rt.num_threads})")
-    rt.num_threads = fix_threads("remoe train", want, hint=is_main,
+    rt.num_threads = fix_threads("remoe train", want, hint=is_main and rt.device.type == "cpu",
                                  fix="--set train.num_threads=1 (or OMP_NUM_THREADS=1)")
 
 
