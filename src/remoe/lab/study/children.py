@@ -69,8 +69,10 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     out = []
     for section in sorted(set(a) | set(b)):
         sa, sb = a.get(section) or {}, b.get(section) or {}
-        for key in sorted(set(sa) | set(sb)):
-            if sa.get(key) != sb.get(key):
+        # a key on one side only is a router's option that comes and goes with model.router
+        # (or a field of another version): the keys both configs hold decide
+        for key in sorted(set(sa) & set(sb)):
+            if sa[key] != sb[key]:
                 out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
     return out
 
