@@ -69,6 +69,8 @@ def fork_main(argv, log_path, before=None):
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)
+        # Ctrl-C as in a terminal: a suite started in the background inherits SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if before is not None:
             before()
         from remoe.cli import main
