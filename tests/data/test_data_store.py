@@ -171,13 +171,15 @@ def test_damaged_shard_is_detected_and_only_its_unit_rebuilt(tmp_path, txt_corpu
     load_prepared(tmp_path / "cache")  # verifies cleanly again
 
 
-def test_tokenizer_or_source_change_rebuilds(tmp_path, txt_corpus, counted):
+def test_tokenizer_or_source_change_rebuilds(tmp_path, txt_corpus, counted, caplog):
     encode, train = counted
     cache = tmp_path / "cache"
     a = prepare_data(_cfg(txt_corpus, cache), progress=False)
     a_manifest, a_root = a.manifest, a.store_root
     assert (encode.calls, train.calls) == (1, 1)
+    assert not [r for r in caplog.records if "again" in r.getMessage()]  # a first build
     b = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
+    assert "data.vocab_size changed (300 -> 320); building the sharded store again" in caplog.text
     assert (encode.calls, train.calls) == (2, 2)  # retrained and re-tokenised
     assert b.vocab_size == 320
     assert b.manifest["tokenizer"]["sha256"] != a_manifest["tokenizer"]["sha256"]
@@ -189,6 +191,7 @@ def test_tokenizer_or_source_change_rebuilds(tmp_path, txt_corpus, counted):
     old_text = (txt_corpus / "beta" / "doc_03.txt").read_text()
     (txt_corpus / "beta" / "doc_03.txt").write_text("a changed beta document\n")
     c = prepare_data(_cfg(txt_corpus, cache, vocab_size=320), progress=False)
+    assert f"source file {txt_corpus / 'beta' / 'doc_03.txt'} changed" in caplog.text
     assert (encode.calls, train.calls) == (3, 3)
     assert c.manifest["key"] != b.manifest["key"]
     texts = [d.text for s in SPLITS for d in c.documents(s)]

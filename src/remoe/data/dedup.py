@@ -1,11 +1,17 @@
 """Exact-duplicate detection in bounded memory: 64-bit text fingerprints in sorted runs.
 
-Fingerprints (blake2b-64 of a document's UTF-8 text) are collected in a small in-memory
-buffer, merged into one sorted in-memory run, and that run is written to disk as a sorted
-``.npy`` run once it holds ``max_memory_entries``; membership is a binary search in each run
-(disk runs memory-mapped). Memory is bounded by ``max_memory_entries * 8`` bytes plus the
-page cache the kernel gives the mapped runs; disk holds 8 bytes per unique document. Two
-different texts share a fingerprint with probability ~n^2 / 2^65 (1e-4 at 50M documents).
+Fingerprints (blake2b-64 of a document's UTF-8 text) go to a small pending set, which is merged
+into one sorted in-memory run; once that run holds ``max_memory_entries`` it is written to disk
+as a sorted run of raw little-endian ``uint64`` and dropped from memory. What stays in memory for
+a disk run is its *fence* (the first fingerprint of every 4 KiB block: 1/512 of the run) and, for
+all disk runs together, one Bloom filter of ``bloom_bits`` bits (7 hashes), allocated at the
+first spill. A membership test on disk is made only when the Bloom filter says "maybe": one
+``pread`` of one block per run, never a memory map, so the resident set does not grow with the
+files. Memory is therefore bounded by ``max_memory_entries * 8`` bytes (twice that while a merge
+copies the run), ``bloom_bits / 8`` bytes and 16 bytes per 512 unique documents; disk holds
+8 bytes per unique document. At the paper's scale (~30M documents) the default filter answers
+"maybe" for ~1 new document in 10^7; at the whole Pile (~210M) for ~0.7%. Two different texts
+share a fingerprint with probability ~n^2 / 2^65 (1e-4 at 50M documents).
 
 Only the plan pass fingerprints: it records every answer (:class:`RecordedFingerprints`, one
 byte per document offered), and the later passes over the same stream replay them
@@ -15,52 +21,110 @@ byte per document offered), and the later passes over the same stream replay the
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-DEFAULT_MAX_MEMORY_ENTRIES = 16 << 20  # 128 MiB of fingerprints in RAM
+DEFAULT_MAX_MEMORY_ENTRIES = 8 << 20  # 64 MiB of fingerprints in RAM
+DEFAULT_BLOOM_BITS = 1 << 31  # 256 MiB, only once a run has been spilled to disk
+_BLOCK = 512  # fingerprints per disk block (4 KiB): one pread per run per lookup
+_HASHES = 7
+_PENDING = 65536
 
 
 def text_fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-class SeenFingerprints:
-    """A set of 64-bit fingerprints that spills sorted runs to ``spill_dir``."""
+class _DiskRun:
+    """A sorted run of fingerprints on disk, read one block at a time."""
 
-    def __init__(self, spill_dir: Path, max_memory_entries: int = DEFAULT_MAX_MEMORY_ENTRIES):
+    def __init__(self, path: Path, keys: np.ndarray):
+        tmp = path.with_name(path.name + ".tmp")
+        keys.astype("<u8", copy=False).tofile(tmp)
+        os.replace(tmp, path)
+        self.fence = keys[::_BLOCK].copy()
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __contains__(self, key: np.uint64) -> bool:
+        b = int(np.searchsorted(self.fence, key, side="right")) - 1
+        if b < 0:
+            return False
+        block = np.frombuffer(os.pread(self.fd, _BLOCK * 8, b * _BLOCK * 8), dtype="<u8")
+        i = int(np.searchsorted(block, key))
+        return i < block.shape[0] and block[i] == key
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class SeenFingerprints:
+    """A set of 64-bit fingerprints that spills sorted runs to ``spill_dir``; the pending set
+    is merged into the sorted run every ``merge_every`` new fingerprints."""
+
+    def __init__(self, spill_dir: Path, max_memory_entries: int = DEFAULT_MAX_MEMORY_ENTRIES,
+                 bloom_bits: int = DEFAULT_BLOOM_BITS, merge_every: int = _PENDING):
         self.spill_dir = Path(spill_dir)
+        self.merge_every = max(1, int(merge_every))
         self.max_memory_entries = max(16, int(max_memory_entries))
+        self.bloom_bits = max(64, -(-int(bloom_bits) // 8) * 8)
         self._pending: set[int] = set()
         self._memory_run = np.zeros(0, dtype=np.uint64)
-        self._disk_runs: list[np.ndarray] = []
+        self._disk_runs: list[_DiskRun] = []
+        self._bloom: bytearray | None = None
 
     def __contains__(self, fp: int) -> bool:
         if fp in self._pending:
             return True
         key = np.uint64(fp)
-        for run in (self._memory_run, *self._disk_runs):
-            i = int(np.searchsorted(run, key))
-            if i < run.shape[0] and run[i] == key:
-                return True
-        return False
+        run = self._memory_run
+        i = int(np.searchsorted(run, key))
+        if i < run.shape[0] and run[i] == key:
+            return True
+        if not self._disk_runs or not self._maybe_on_disk(fp):
+            return False
+        return any(key in r for r in self._disk_runs)
+
+    def _maybe_on_disk(self, fp: int) -> bool:
+        bloom, m = self._bloom, self.bloom_bits
+        assert bloom is not None
+        h1, h2 = fp & 0xFFFFFFFF, (fp >> 32) | 1
+        for i in range(_HASHES):
+            p = (h1 + i * h2) % m
+            if not bloom[p >> 3] & (1 << (p & 7)):
+                return False
+        return True
+
+    def _bloom_add(self, keys: np.ndarray) -> None:
+        if self._bloom is None:
+            self._bloom = bytearray(self.bloom_bits // 8)
+        bits = np.frombuffer(self._bloom, dtype=np.uint8)
+        h1 = keys & np.uint64(0xFFFFFFFF)
+        h2 = (keys >> np.uint64(32)) | np.uint64(1)
+        m = np.uint64(self.bloom_bits)
+        for i in range(_HASHES):
+            p = (h1 + np.uint64(i) * h2) % m
+            np.bitwise_or.at(bits, p >> np.uint64(3),
+                             np.left_shift(1, p & np.uint64(7)).astype(np.uint8))
 
     def add(self, fp: int) -> None:
+        """Remember ``fp`` (one not seen before: :meth:`add_if_new` checks)."""
         self._pending.add(fp)
-        if len(self._pending) >= 65536:
+        if len(self._pending) >= self.merge_every:
             self._merge_pending()
 
     def _merge_pending(self) -> None:
-        new = np.fromiter(self._pending, dtype=np.uint64, count=len(self._pending))
+        new = np.sort(np.fromiter(self._pending, dtype=np.uint64, count=len(self._pending)))
         self._pending.clear()
-        self._memory_run = np.union1d(self._memory_run, new)
+        run = self._memory_run
+        self._memory_run = np.insert(run, np.searchsorted(run, new), new)  # one new copy
         if self._memory_run.shape[0] >= self.max_memory_entries:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            path = self.spill_dir / f"run{len(self._disk_runs):05d}.npy"
-            np.save(path, self._memory_run, allow_pickle=False)
-            self._disk_runs.append(np.load(path, mmap_mode="r", allow_pickle=False))
+            path = self.spill_dir / f"run{len(self._disk_runs):05d}.u64"
+            self._disk_runs.append(_DiskRun(path, self._memory_run))
+            self._bloom_add(self._memory_run)
             self._memory_run = np.zeros(0, dtype=np.uint64)
 
     def add_if_new(self, text: str) -> bool:
@@ -70,6 +134,11 @@ class SeenFingerprints:
             return False
         self.add(fp)
         return True
+
+    def close(self) -> None:
+        for r in self._disk_runs:
+            r.close()
+        self._disk_runs.clear()
 
 
 class RecordedFingerprints:

@@ -17,6 +17,7 @@ splits, once to train the tokenizer (when one is trained) and once to tokenise.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -108,10 +109,15 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
     for k in ("used", "missing", "licences"):
         found.setdefault(k, [])
     if record is not None:
-        with atomic_open(record) as out:
-            seen = RecordedFingerprints(SeenFingerprints(spill_dir), out)
-            yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
-                               found)
+        fingerprints = SeenFingerprints(spill_dir)
+        try:
+            with atomic_open(record) as out:
+                seen = RecordedFingerprints(fingerprints, out)
+                yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
+                                   found)
+        finally:
+            fingerprints.close()
+            shutil.rmtree(spill_dir, ignore_errors=True)  # the answers are recorded
     elif replay is not None:
         seen = ReplayedFingerprints(replay)
         try:

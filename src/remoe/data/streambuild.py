@@ -18,6 +18,8 @@ a complete plan and tokenizer are reused, finished units are not redone (:mod:`.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -34,7 +36,7 @@ from remoe.data.manifest import stage_key
 from remoe.data.megatron import external_entries, external_problem, megatron_prefixes
 from remoe.data.plan import build_plan, load_plan
 from remoe.data.shardindex import write_split_index
-from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units
+from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units, read_journal
 from remoe.data.shardstore import file_problem
 from remoe.data.store import token_dtype
 
@@ -42,6 +44,8 @@ STORE_DIR = "store-v2"
 STORE_FORMAT = "remoe-shards/1"
 MIN_FREQUENCY = 2
 TOKENIZER_ALGO = "bytelevel-bpe/1"
+
+log = logging.getLogger("remoe.data")
 
 
 def source_fingerprint(sources: list[str]) -> list[Any]:
@@ -81,6 +85,51 @@ def build_key(cfg: DataConfig) -> str:
                       "test": cfg.test_fraction, "vocab": cfg.vocab_size, "tokenizer": tok,
                       "tokenizer_train_bytes": cfg.tokenizer_train_bytes,
                       "algo": TOKENIZER_ALGO})
+
+
+_CONFIG_FIELDS = ("sources", "max_bytes_per_domain", "val_fraction", "test_fraction",
+                  "vocab_size", "tokenizer", "tokenizer_train_bytes")
+
+
+def rebuild_reason(store: Path, cfg: DataConfig, fingerprint: list[Any]) -> str | None:
+    """Why the finished store in ``store`` (if any) cannot serve ``cfg``, in words; None when
+    there is none (a first build). Names the setting or source file that changed."""
+    m = read_json(store / "manifest.json")
+    if not isinstance(m, dict):
+        return None
+    if m.get("format") != STORE_FORMAT:
+        return f"the store's format is {m.get('format')!r}, this version writes {STORE_FORMAT!r}"
+    old = m.get("config", {})
+    for f in _CONFIG_FIELDS:
+        if old.get(f) != getattr(cfg, f):
+            return f"data.{f} changed ({old.get(f)!r} -> {getattr(cfg, f)!r})"
+    before = {json.dumps(e[0]): e[1] for e in m.get("fingerprint", [])}
+    for name, now in fingerprint:
+        was = before.get(json.dumps(name))
+        if was is not None and was != now:
+            if isinstance(now, list) and isinstance(was, list):
+                old_files = {f[0]: f[1:] for f in was}
+                for path, size, mtime in now:
+                    if old_files.get(path) != [size, mtime]:
+                        return (f"source file {path} changed (size or modification time)"
+                                if path in old_files else f"source file {path} is new")
+                return f"a file of source {name} was removed"
+            return f"the built-in source {name} changed"
+    if cfg.tokenizer is not None:
+        return f"the tokenizer file {cfg.tokenizer} changed"
+    listed = _listed_files(store, m)
+    if listed is None:
+        return "its manifest is malformed"
+    root, files = listed
+    for rel, meta in files.items():
+        p = file_problem(root / rel, meta, full=False)
+        if p is not None:
+            return f"{rel}: {p}"
+    for e in m.get("external", {}).values():
+        p = external_problem(e, full=False)
+        if p is not None:
+            return p
+    return "the sources changed"
 
 
 def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
@@ -172,8 +221,17 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
     if m is not None:
         say("sharded store unchanged: reusing it")
         return m
+    fingerprint = source_fingerprint(list(cfg.sources))
+    why = rebuild_reason(store, cfg, fingerprint)
+    if why is not None:
+        log.warning("data cache %s: %s; building the sharded store again", cache, why)
     before_write("its sharded store")
     root = store / key[:16]
+    if (root / "shard_bytes.json").is_file():
+        units = len(read_journal(root / "shards"))
+        log.warning("data cache %s: resuming an interrupted build (plan %s, %d unit(s) "
+                    "finished)", cache, "done" if load_plan(root) is not None else "to redo",
+                    units)
     root.mkdir(parents=True, exist_ok=True)
     recorded = read_json(root / "shard_bytes.json")  # a resumed build keeps its unit size
     if isinstance(recorded, int) and recorded > 0:
@@ -229,7 +287,7 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                                   else f"trained (byte-level BPE, vocab {cfg.vocab_size})"),
                        "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
          "tokens": {"dtype": dtype.name, "splits": splits},
-         "shards": shards}
+         "shards": shards, "fingerprint": fingerprint}
     used = sorted({n for e in splits.values() for n in e.get("external", ())})
     if used:
         m["external"] = external_entries(external, used)
