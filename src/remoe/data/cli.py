@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
@@ -44,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-fraction", type=float, default=None,
                         help=f"test share of documents (default: {d.test_fraction})")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
-    parser.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="tokenise with N processes (default: 1)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="tokenise on N cores, one process each (default: the cores this "
+                             "process may use)")
     parser.add_argument("--shard-bytes", type=int, default=None, metavar="B",
                         help="bytes of text per token shard (default: 64 MiB)")
     parser.add_argument("--verify", action="store_true",
@@ -88,7 +90,10 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
 
 
 def _build_options(args: argparse.Namespace) -> dict:
-    workers = getattr(args, "workers", 1)
+    workers = getattr(args, "workers", None)
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"--workers={workers} must be >= 1")
     out = {"workers": workers}

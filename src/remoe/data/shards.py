@@ -15,7 +15,9 @@ documents of its section before it, dataset number, documents ``[first, stop)``,
 in ``.bin``, tokens) and read from the dataset's ``.bin`` by the store.
 
 A unit depends only on its documents, so ``workers`` processes encode units in parallel
-(``tokenizers``' batch encoding, one thread each), at most ``2 * workers`` in flight. Every file
+(``tokenizers``' batch encoding, one thread each), at most ``2 * workers`` in flight; one
+worker encodes in this process, also on one thread. So ``workers`` is the number of cores
+the encoding uses (the process reading the sources adds a few per cent of one). Every file
 is written to a temporary name and moved into place, then the unit's line (sections, sizes,
 sha256 of each file) is appended to ``journal.jsonl``: after a kill, the units of complete
 journal lines are skipped (their text is read past, not encoded) and the others are redone
@@ -24,6 +26,7 @@ from scratch, so the result is bit-identical to an uninterrupted build.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -214,6 +217,32 @@ def _one_thread() -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
 
 
+@contextlib.contextmanager
+def _serial_tokenizers() -> Iterator[None]:
+    """``tokenizers`` encodes on this thread only while inside (it reads the variable at each
+    batch call); the variable is restored after."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def _encode_here(units: Iterator[tuple[int, list]], done: dict[int, dict[str, Any]],
+                 metas: dict[int, dict[str, Any]], on_unit: Callable[[dict[str, Any], bool], None],
+                 record: Callable[[dict[str, Any]], None], job_base: dict[str, Any]) -> None:
+    for uid, items in units:
+        if uid in done:
+            metas[uid] = done[uid]
+            on_unit(done[uid], False)
+        else:
+            record(encode_unit({**job_base, "unit": uid, "items": items}))
+
+
 def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dict[str, Any],
                  workers: int, on_unit: Callable[[dict[str, Any], bool], None]) -> list[dict]:
     """Encode every unit not yet in the journal; returns all units' journal entries in order.
@@ -234,12 +263,8 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
 
     try:
         if workers <= 1:
-            for uid, items in units:
-                if uid in done:
-                    metas[uid] = done[uid]
-                    on_unit(done[uid], False)
-                else:
-                    record(encode_unit({**job_base, "unit": uid, "items": items}))
+            with _serial_tokenizers():
+                _encode_here(units, done, metas, on_unit, record, job_base)
         else:
             ctx = multiprocessing.get_context("spawn")
             with ctx.Pool(workers, initializer=_one_thread) as pool:
