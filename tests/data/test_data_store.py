@@ -242,3 +242,31 @@ def test_cli_run(tmp_path, txt_corpus, capsys):
     assert run(bad) == 2
     assert "data.vocab_size=10 must be >= 256" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "d")  # nothing built, not even the directory
+
+
+@pytest.mark.parametrize("setting", ["explicit", "default cap"])
+def test_tokenizer_sample_is_bounded(tmp_path, txt_corpus, monkeypatch, setting):
+    """The BPE trainer sees a deterministic per-domain sample of about the cap, set or not."""
+    from remoe.data import streambuild
+    seen: list[int] = []
+    real = tok_mod.train_tokenizer
+
+    def spy(batches, *a, **k):
+        batches = [list(b) for b in batches]
+        seen.append(sum(len(t.encode()) for b in batches for t in b))
+        return real(iter(batches), *a, **k)
+
+    monkeypatch.setattr(tok_mod, "train_tokenizer", spy)
+    whole = prepare_data(_cfg(txt_corpus, tmp_path / "whole"), progress=False)
+    total = sum(v["bytes"] for v in whole.manifest["corpus"]["splits"]["train"].values())
+    assert seen == [total]  # below the cap: the whole train split
+    cap = total // 3
+    if setting == "explicit":
+        kw = {"tokenizer_train_bytes": cap}
+    else:
+        monkeypatch.setattr(streambuild, "DEFAULT_TOKENIZER_TRAIN_BYTES", cap)
+        kw = {}
+    a = prepare_data(_cfg(txt_corpus, tmp_path / "a", **kw), progress=False)
+    b = prepare_data(_cfg(txt_corpus, tmp_path / "b", **kw), progress=False)
+    assert 0 < seen[1] < total / 2 and seen[1] == seen[2]
+    assert a.manifest["tokenizer"]["sha256"] == b.manifest["tokenizer"]["sha256"]

@@ -11,6 +11,7 @@ from typing import Any
 from remoe.errors import ConfigError
 
 DEFAULT_CACHE_DIR = ".remoe_cache/data"
+DEFAULT_TOKENIZER_TRAIN_BYTES = 1_000_000_000  # what tokenizer_train_bytes=0 caps the sample at
 
 
 @dataclass
@@ -30,7 +31,9 @@ class DataConfig:
       domain (a domain with >= 3 documents always gets at least one of each).
     * ``seed`` -- default seed of the training sampler (splits do not depend on it).
     * ``tokenizer_train_bytes`` -- train the BPE on at most this many bytes of the train
-      split (a deterministic per-domain subsample); 0 = the whole train split.
+      split (a deterministic per-domain subsample); 0 = the whole train split up to
+      ``DEFAULT_TOKENIZER_TRAIN_BYTES`` (1 GB), sampled the same way beyond it, so that the
+      trainer's memory (it counts every distinct word) does not grow with the corpus.
     """
 
     sources: list[str] = field(default_factory=lambda: ["builtin"])

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 
 from remoe.data import tokenizer as _tok
 from remoe.data._io import atomic_write_json, read_json, sha256_bytes, sha256_file, stable_unit
-from remoe.data.config import DataConfig
+from remoe.data.config import DEFAULT_TOKENIZER_TRAIN_BYTES, DataConfig
 from remoe.data.docstream import stream_documents
 from remoe.data.documents import SPLITS
 from remoe.data.manifest import stage_key
@@ -192,8 +192,8 @@ def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: C
         return Tokenizer.from_file(str(path))
     train_bytes = {d: v["bytes"] for d, v in plan["splits"]["train"].items()}
     total = sum(train_bytes.values())
-    cap = cfg.tokenizer_train_bytes
-    keep_share = {d: 1.0 if cap <= 0 or total <= cap else (cap * b / total) / max(b, 1)
+    cap = cfg.tokenizer_train_bytes or DEFAULT_TOKENIZER_TRAIN_BYTES
+    keep_share = {d: 1.0 if total <= cap else (cap * b / total) / max(b, 1)
                   for d, b in train_bytes.items()}
 
     def texts():
@@ -203,7 +203,7 @@ def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: C
                 yield doc.text
 
     say(f"training byte-level BPE (vocab {cfg.vocab_size}) on the train split "
-        f"({total:,} bytes{'' if cap <= 0 or total <= cap else f', sampled to ~{cap:,}'})")
+        f"({total:,} bytes{'' if total <= cap else f', sampled to ~{cap:,}'})")
     tok = _tok.train_tokenizer(_tok.batched_texts(texts()), cfg.vocab_size,
                                min_frequency=MIN_FREQUENCY, progress=progress)
     _tok.save_tokenizer(tok, path)
