@@ -24,7 +24,7 @@ from pathlib import Path
 from remoe.machine import allocator
 from remoe.machine.allocator import MODES
 
-SUITES = ("layer", "model", "machine", "all", "load", "scale", "gpu")  # load, scale, gpu: not in "all"
+SUITES = ("layer", "model", "machine", "all", "load", "scale", "gpu", "data")  # the last four: not in "all"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None, help="model preset (default tiny; quick: micro)")
     g.add_argument("--stage-steps", type=int, default=None,
                    help="max steps of the stages I-II run (default 150; quick 4)")
+    g = p.add_argument_group("data suite (`remoe data` throughput and memory)")
+    from remoe.lab.bench.data import add_data_arguments
+
+    add_data_arguments(g)
     g = p.add_argument_group("gpu suite (CUDA; without it: one line, exit 0)")
     g.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per step (default 8)")
@@ -149,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.suite == "gpu":
         return _run_gpu(args)
+    if args.suite == "data":
+        from remoe.lab.bench import data
+
+        return data.run(args, args.out or Path("bench_results") / "data.json")
     from remoe.lab.bench.procs import FreshProcesses
 
     from remoe.lab.bench import common

@@ -1,6 +1,7 @@
 """The data suite: `remoe data` throughput and peak memory against raw ``tokenizers``.
 
     remoe bench --suite data --data-input FILE --data-tokenizer tokenizer.json [--workers 1 2]
+    remoe bench --suite data --dedup-docs 30000000      # exact deduplication alone
 
 For each worker count N: a fresh ``remoe data`` build of FILE (subprocess; peak RSS is the
 largest sum of the resident sets of it and its workers, sampled every 0.1 s), then its
@@ -118,6 +119,44 @@ def make_pile_like(path: Path, n_bytes: int, seed: int = 0) -> Path:
     return path
 
 
+_DEDUP = r"""
+import json, sys, tempfile, time
+import numpy as np
+from remoe.data.dedup import SeenFingerprints
+n, dup = int(sys.argv[1]), float(sys.argv[2])
+rng = np.random.default_rng(0)
+with tempfile.TemporaryDirectory(prefix="remoe-bench-dedup-") as tmp:
+    seen = SeenFingerprints(tmp)
+    t = time.perf_counter(); kept = 0; done = 0
+    while done < n:
+        fps = rng.integers(0, 1 << 63, size=min(1 << 20, n - done), dtype=np.uint64)
+        again = rng.random(fps.shape[0]) < dup  # a repeat of an earlier fingerprint
+        fps[again] = fps[rng.integers(0, fps.shape[0], size=int(again.sum()))]
+        for fp in fps.tolist():
+            if fp not in seen:
+                seen.add(fp); kept += 1
+        done += fps.shape[0]
+    s = time.perf_counter() - t
+    disk = sum(p.stat().st_size for p in __import__("pathlib").Path(tmp).glob("*"))
+# VmHWM, not ru_maxrss: the latter keeps the forking parent's size across exec
+hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+print(json.dumps({"documents": n, "kept": kept, "s": s, "disk_bytes": disk,
+                  "peak_rss_GB": hwm / 1e6}))
+"""
+
+
+def measure_dedup(n_docs: int, dup_share: float = 0.05) -> dict[str, Any]:
+    """Exact deduplication alone (:class:`remoe.data.dedup.SeenFingerprints`, default settings)
+    over ``n_docs`` random fingerprints, ``dup_share`` of them repeats: documents per second,
+    peak RSS, disk. Hashing the text is left out (it is per byte, measured with the build)."""
+    r = subprocess.run([sys.executable, "-c", _DEDUP, str(n_docs), str(dup_share)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, check=True)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["docs_per_s"] = out["documents"] / out["s"]
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| text | workers | wall s | MB/s | tokens/s | raw tokenizers MB/s | ratio | "
             "peak RSS GB | start-up s |\n|---|---|---|---|---|---|---|---|---|")
@@ -129,24 +168,53 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, *body])
 
 
+def add_data_arguments(p: Any) -> None:
+    """The data suite's options (on ``remoe bench`` and on this module's own parser)."""
+    p.add_argument("--data-input", type=Path, default=None,
+                   help="Pile-format .jsonl(.zst) to build (with --data-tokenizer)")
+    p.add_argument("--data-tokenizer", type=Path, default=None,
+                   help="an existing tokenizer.json for the build and the raw baseline")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                   help="worker counts to build with (default: 1 2)")
+    p.add_argument("--make-bytes", type=int, default=0,
+                   help="first write --data-input as this many bytes of synthetic Pile text")
+    p.add_argument("--dedup-docs", type=int, nargs="*", default=[], metavar="N",
+                   help="also measure exact deduplication alone over N documents")
+
+
+def run(a: Any, out: Path) -> int:
+    """Run the data suite for parsed options ``a``; JSON to ``out``; exit status."""
+    if a.data_input is None and not a.dedup_docs:
+        raise SystemExit("remoe bench --suite data: --data-input (with --data-tokenizer) or "
+                         "--dedup-docs is required")
+    if a.data_input is not None and a.data_tokenizer is None:
+        raise SystemExit("remoe bench --suite data: --data-tokenizer is required with "
+                         "--data-input")
+    if a.make_bytes:
+        make_pile_like(a.data_input, a.make_bytes)
+    rows = ([measure(a.data_input, a.data_tokenizer, w) for w in a.workers]
+            if a.data_input is not None else [])
+    dedup = [measure_dedup(n) for n in a.dedup_docs]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows + [{"dedup": d} for d in dedup], indent=2) + "\n")
+    if rows:
+        print(table(rows))
+    for d in dedup:
+        print(f"dedup: {d['documents']:,} documents ({d['kept']:,} kept) in {d['s']:.0f} s = "
+              f"{d['docs_per_s']:,.0f} docs/s, peak RSS {d['peak_rss_GB']:.2f} GB, "
+              f"disk {d['disk_bytes'] / 1e9:.2f} GB")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="remoe bench --suite data")
-    p.add_argument("--data-input", type=Path, required=True)
-    p.add_argument("--data-tokenizer", type=Path, required=True)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--make-bytes", type=int, default=0,
-                   help="first write --data-input as this many bytes of synthetic Pile text")
+    p = argparse.ArgumentParser(prog="python -m remoe.lab.bench.data")
+    add_data_arguments(p)
     p.add_argument("--out", type=Path, default=Path("bench_results/data.json"))
     a = p.parse_args(argv)
-    if a.make_bytes:
-        make_pile_like(a.data_input, a.make_bytes)
-    rows = [measure(a.data_input, a.data_tokenizer, w) for w in a.workers]
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(table(rows))
-    return 0
+    return run(a, a.out)
 
 
 if __name__ == "__main__":
