@@ -129,7 +129,7 @@ with tempfile.TemporaryDirectory(prefix="remoe-bench-dedup-") as tmp:
     seen = SeenFingerprints(tmp)
     t = time.perf_counter(); kept = 0; done = 0
     while done < n:
-        fps = rng.integers(0, 1 << 63, size=min(1 << 20, n - done), dtype=np.uint64)
+        fps = rng.integers(0, 1 << 63, size=min(1 << 16, n - done), dtype=np.uint64)
         again = rng.random(fps.shape[0]) < dup  # a repeat of an earlier fingerprint
         fps[again] = fps[rng.integers(0, fps.shape[0], size=int(again.sum()))]
         for fp in fps.tolist():
