@@ -148,7 +148,7 @@ def test_chunks_never_cross_domains(small_bundle):
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_damaged_shard_is_detected_and_only_its_unit_rebuilt(tmp_path, txt_corpus, counted,
-                                                             damage):
+                                                             damage, caplog):
     encode, train = counted
     cfg = _cfg(txt_corpus, tmp_path / "cache")
     good = prepare_data(cfg, progress=False, shard_bytes=SMALL_SHARD_BYTES)
@@ -163,6 +163,7 @@ def test_damaged_shard_is_detected_and_only_its_unit_rebuilt(tmp_path, txt_corpu
     with pytest.raises(DataNotFoundError, match="no complete data cache"):
         load_prepared(tmp_path / "cache")
     fixed = prepare_data(cfg, progress=False, shard_bytes=SMALL_SHARD_BYTES)
+    assert "shards/u000001.bin: u000001.bin " in caplog.text  # the rebuild names the file
     assert encode.calls == units + 1  # only the damaged unit was re-tokenised
     assert train.calls == 1  # the tokenizer was kept
     assert fixed.manifest == ref_manifest

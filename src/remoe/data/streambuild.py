@@ -91,14 +91,29 @@ _CONFIG_FIELDS = ("sources", "max_bytes_per_domain", "val_fraction", "test_fract
                   "vocab_size", "tokenizer", "tokenizer_train_bytes")
 
 
-def rebuild_reason(store: Path, cfg: DataConfig, fingerprint: list[Any]) -> str | None:
-    """Why the finished store in ``store`` (if any) cannot serve ``cfg``, in words; None when
-    there is none (a first build). Names the setting or source file that changed."""
+def rebuild_reason(store: Path, cfg: DataConfig, key: str, fingerprint: list[Any]) -> str | None:
+    """Why the finished store in ``store`` (if any) cannot serve ``cfg`` (build key ``key``),
+    in words; None when there is none (a first build). Names the setting, the source file or
+    the damaged file."""
     m = read_json(store / "manifest.json")
     if not isinstance(m, dict):
         return None
     if m.get("format") != STORE_FORMAT:
         return f"the store's format is {m.get('format')!r}, this version writes {STORE_FORMAT!r}"
+    if m.get("key") == key:  # the same settings and sources: a file of it is damaged
+        listed = _listed_files(store, m)
+        if listed is None:
+            return "its manifest is malformed"
+        root, files = listed
+        for rel, meta in files.items():
+            p = file_problem(root / rel, meta, full=False)
+            if p is not None:
+                return f"{rel}: {p}"
+        for e in m.get("external", {}).values():
+            p = external_problem(e, full=False)
+            if p is not None:
+                return p
+        return "its files do not match its manifest"
     old = m.get("config", {})
     for f in _CONFIG_FIELDS:
         if old.get(f) != getattr(cfg, f):
@@ -117,18 +132,6 @@ def rebuild_reason(store: Path, cfg: DataConfig, fingerprint: list[Any]) -> str 
             return f"the built-in source {name} changed"
     if cfg.tokenizer is not None:
         return f"the tokenizer file {cfg.tokenizer} changed"
-    listed = _listed_files(store, m)
-    if listed is None:
-        return "its manifest is malformed"
-    root, files = listed
-    for rel, meta in files.items():
-        p = file_problem(root / rel, meta, full=False)
-        if p is not None:
-            return f"{rel}: {p}"
-    for e in m.get("external", {}).values():
-        p = external_problem(e, full=False)
-        if p is not None:
-            return p
     return "the sources changed"
 
 
@@ -222,7 +225,7 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
         say("sharded store unchanged: reusing it")
         return m
     fingerprint = source_fingerprint(list(cfg.sources))
-    why = rebuild_reason(store, cfg, fingerprint)
+    why = rebuild_reason(store, cfg, key, fingerprint)
     if why is not None:
         log.warning("data cache %s: %s; building the sharded store again", cache, why)
     before_write("its sharded store")
