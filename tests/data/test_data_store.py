@@ -67,7 +67,7 @@ def test_store_layout_and_manifest(small_bundle):
     assert m == b.manifest
     assert m["format"] == STORE_FORMAT and m["key"].startswith(m["dir"]) and len(m["dir"]) == 16
     assert b.store_root == store / m["dir"]
-    # the single-file cache of format 1 is never written beside it
+    # nothing but the store (and the lock) is written in the cache directory
     assert not any((b.cache_dir / p).exists() for p in ("manifest.json", "corpus", "tokens"))
     assert b.tokenizer_path == b.store_root / "tokenizer.json"
     assert m["tokenizer"]["sha256"] == sha256_file(b.tokenizer_path)

@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Iterator
 
 _CHUNK = 1 << 22  # 4 MiB reads when hashing files
 
@@ -94,12 +94,6 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def atomic_write_with(path: str | os.PathLike[str], writer: Callable[[BinaryIO], None]) -> None:
-    """Call ``writer(file)`` on a temporary file, then move it to ``path`` atomically."""
-    with atomic_open(path, "wb") as f:
-        writer(f)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:

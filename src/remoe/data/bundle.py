@@ -14,10 +14,10 @@ from remoe.data import tokenizer as _tok
 from remoe.data.config import DEFAULT_CACHE_DIR
 from remoe.data.corpus import iter_documents
 from remoe.data.documents import SPLITS, Document
-from remoe.data.errors import DataError
+from remoe.data.errors import DataError, DataNotFoundError
 from remoe.data.sampler import TrainBatches, eval_batches
 from remoe.data.shardstore import ShardedStore
-from remoe.data.store import Batch, TokenStore
+from remoe.data.store import Batch
 
 log = logging.getLogger("remoe.data")
 
@@ -34,21 +34,19 @@ class DataBundle:
     eos_token: str
     domains: list[str]
     manifest: dict[str, Any] = field(repr=False)
+    store_root: Path  # the sharded store's directory (remoe.data.streambuild)
     seed: int = 0
-    store_root: Path | None = None  # the sharded store's directory (remoe.data.streambuild)
     _stores: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def split(self, name: str) -> TokenStore:
+    def split(self, name: str) -> ShardedStore:
         """The token store of ``train``, ``validation`` or ``test``."""
         if name not in SPLITS:
             raise ValueError(f"unknown split {name!r}; expected one of {', '.join(SPLITS)}")
-        if name not in self._stores and self.store_root is not None:
+        if name not in self._stores:
             m = self.manifest
             self._stores[name] = ShardedStore(self.store_root, name, self.domains,
                                               m["tokens"]["splits"][name], m["shards"], m["dtype"],
                                               m.get("external"))
-        elif name not in self._stores:
-            self._stores[name] = TokenStore(self.cache_dir / "tokens", name, self.domains)
         return self._stores[name]
 
     def train_batches(self, seq_len: int, micro_batch: int, grad_accum: int = 1,
@@ -94,8 +92,6 @@ class DataBundle:
 
     def documents(self, split: str, domain: str | None = None) -> list[Document]:
         """The raw documents of ``split`` (optionally one domain), in store order."""
-        if self.store_root is None:
-            return load_documents(split, domain, cache_dir=self.cache_dir)
         return store_documents(self.store_root, split, domain)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
@@ -163,10 +159,8 @@ def load_documents(split: str, domain: str | None = None, *,
     from remoe.data._io import read_json
     from remoe.data.streambuild import STORE_DIR
 
-    m = read_json(Path(cache_dir) / STORE_DIR / "manifest.json")
-    if isinstance(m, dict) and "dir" in m:
-        return store_documents(Path(cache_dir) / STORE_DIR / m["dir"], split, domain)
-    path = Path(cache_dir) / "corpus" / f"{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (run `remoe data` first)")
-    return list(iter_documents(path, domain))
+    store = Path(cache_dir) / STORE_DIR
+    m = read_json(store / "manifest.json")
+    if not (isinstance(m, dict) and isinstance(m.get("dir"), str)):
+        raise DataNotFoundError(f"no finished sharded store in {store} (run `remoe data` first)")
+    return store_documents(store / m["dir"], split, domain)

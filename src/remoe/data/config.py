@@ -20,8 +20,8 @@ class DataConfig:
 
     * ``sources`` -- source specs: ``builtin``, ``builtin:code,prose``, a path to a ``.txt`` /
       ``.jsonl`` / ``.jsonl.zst`` file or directory, or ``NAME=PATH`` to name its domain.
-    * ``cache_dir`` -- where the corpus splits, ``tokenizer.json``, token arrays and
-      ``manifest.json`` live.
+    * ``cache_dir`` -- where the sharded token store (``store-v2/``: tokenizer, token
+      shards, index, held-out text, ``manifest.json``) and its lock live.
     * ``vocab_size`` -- BPE vocabulary size to train (ignored when ``tokenizer`` is given).
     * ``tokenizer`` -- path to an existing ``tokenizer.json`` (or its directory) or to a
       GPT-2 ``vocab.json`` (+ ``merges.txt`` beside it) instead of training one.

@@ -1,30 +1,15 @@
-"""``prepare_data``: corpus -> splits -> tokenizer -> token stores, cached with a manifest.
+"""``prepare_data`` / ``load_prepared``: the data cache (``DataConfig.cache_dir``) and its
+sharded store.
 
-Cache layout (``DataConfig.cache_dir``)::
-
-    manifest.json            format version, config, fingerprints, sizes, sha256 of every file
-    corpus/{split}.jsonl     the split's documents (Pile format, meta.pile_set_name = domain)
-    tokenizer.json           the tokenizer used for the token arrays
-    tokens/{split}.*.npy     packed token arrays (see remoe.data.store)
-
-Each stage has a key (a sha256 of everything it depends on) recorded in the manifest:
-
-* corpus:    fingerprints of the collected documents (sha256 of their keys and texts per
-  domain) + split fractions. The sources are read on every call (about a second for the
-  built-in corpus) to compute these: a changed source is always noticed.
-* tokenizer: the corpus key + vocabulary size (trained) or the loaded file's content.
-* tokens:    the corpus key + the sha256 of ``tokenizer.json``.
-
-A stage whose key matches and whose files match their recorded sizes and sha256 is reused as
-is (no re-tokenisation); otherwise a warning says why and it is rebuilt. All files are written
-to a temporary name and moved into place, and the manifest last, so an interrupted build is
-never mistaken for a finished one. A file lock serialises concurrent builds (e.g. several ranks).
+The store lives in ``<cache_dir>/store-v2/`` (layout and build: :mod:`remoe.data.streambuild`;
+reading: :mod:`remoe.data.shardstore`). ``prepare_data`` builds it, or reuses a finished one
+whose key matches the settings and the sources' fingerprint; ``load_prepared`` opens a finished
+one without reading the sources. A file lock serialises concurrent builds (e.g. several ranks).
 A cache another process is reading (a run training on it holds ``.readers/<pid>`` as long as its
 data is in use) is never changed: a build that would rewrite a file refuses in one line.
 
-Parts: :mod:`remoe.data.cachelock` (the lock), :mod:`remoe.data.manifest` (keys, structure
-check, file verification), :mod:`remoe.data.build` (the three stages),
-:mod:`remoe.data.bundle` (:class:`DataBundle`, the result).
+Parts: :mod:`remoe.data.cachelock` (the lock and readers), :mod:`remoe.data.streambuild` (the
+build), :mod:`remoe.data.bundle` (:class:`DataBundle`, the result).
 """
 
 from __future__ import annotations
@@ -33,6 +18,8 @@ import errno
 import hashlib
 import logging
 import os
+import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -40,27 +27,42 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from remoe.data._io import atomic_write_json
-from remoe.data.build import (MIN_FREQUENCY, TOKENIZER_ALGO, Reporter, corpus_stage,
-                              tokenizer_stage, tokens_stage)
 from remoe.data.bundle import DataBundle, load_documents
 from remoe.data.cachelock import (LOCK_FILE, NOT_WRITABLE, live_readers, locked,
                                   register_reader, release_reader)
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
-from remoe.data.documents import SPLITS
 from remoe.data.errors import DataError, DataNotFoundError
 from remoe.data.shards import DEFAULT_SHARD_BYTES
-from remoe.data.streambuild import STORE_DIR, build_store, finished_manifest, verify_store
-from remoe.data.manifest import (FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, manifest_problem,
-                                 read_manifest, verify_files)
+from remoe.data.manifest import TOKENIZER_FILE
+from remoe.data.streambuild import (MIN_FREQUENCY, STORE_DIR, TOKENIZER_ALGO, build_store,
+                                    finished_manifest, verify_store)
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
-    "DataBundle", "FORMAT_VERSION", "LOCK_FILE", "MANIFEST", "MIN_FREQUENCY", "TOKENIZER_ALGO",
-    "TOKENIZER_FILE", "load_documents", "load_prepared", "manifest_problem", "prepare_data",
-    "tokens_fingerprint",
+    "DataBundle", "LOCK_FILE", "MIN_FREQUENCY", "TOKENIZER_ALGO", "TOKENIZER_FILE",
+    "load_documents", "load_prepared", "prepare_data", "tokens_fingerprint",
 ]
 
 log = logging.getLogger("remoe.data")
+
+
+class Reporter:
+    """The build's progress lines: on stderr with progress on, else to the ``remoe.data`` log."""
+
+    def __init__(self, enabled: bool, guard=None):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.guard = guard  # called with what is about to change before any cache file is written
+
+    def before_write(self, what: str) -> None:
+        if self.guard is not None:
+            self.guard(what)
+
+    def say(self, msg: str) -> None:
+        line = f"[remoe.data {time.perf_counter() - self.t0:6.1f}s] {msg}"
+        if self.enabled:
+            print(line, file=sys.stderr, flush=True)
+        else:  # no progress display: the build's lines still reach a caller's logging handler
+            log.info(line)
 
 
 def _not_writable(cache: Path, e: OSError) -> DataError:
@@ -113,44 +115,6 @@ def prepare_data(cfg: DataConfig | None = None, *, progress: bool = True, worker
             raise _not_writable(cache, e) from None
 
 
-def _prepare_locked(cfg: DataConfig, cache: Path, rep: Reporter, progress: bool) -> DataBundle:
-    manifest, why = read_manifest(cache)
-    if why is not None:
-        log.warning("data cache %s: %s; treating the cache as corrupt and rebuilding it",
-                    cache, why)
-    elif manifest is None and (cache / "tokens").exists():
-        log.warning("data cache %s has files but no manifest; rebuilding", cache)
-    old = manifest or {}
-
-    corpus_entry, splits, corpus = corpus_stage(cfg, cache, old.get("corpus"), rep)
-    domains = corpus_entry["domains"]
-    new: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "config": {"sources": list(cfg.sources), "max_bytes_per_domain":
-                   cfg.max_bytes_per_domain, "val_fraction": cfg.val_fraction,
-                   "test_fraction": cfg.test_fraction, "vocab_size": cfg.vocab_size,
-                   "tokenizer": cfg.tokenizer,
-                   "tokenizer_train_bytes": cfg.tokenizer_train_bytes},
-        "domains": domains,
-        "corpus": corpus_entry,
-    }
-    if old.get("corpus") != corpus_entry:
-        # the old tokenizer/token entries describe another corpus: drop them before the
-        # corpus files they do not match are recorded
-        atomic_write_json(cache / MANIFEST, new)
-
-    tok_entry, tok = tokenizer_stage(cfg, cache, corpus_entry["key"], splits["train"],
-                                      old.get("tokenizer"), rep, progress)
-    new["tokenizer"] = tok_entry
-    tokens_entry = tokens_stage(cache, corpus_entry["key"], tok_entry, tok, splits, domains,
-                                 old.get("tokens"), rep, progress)
-    new["tokens"] = tokens_entry
-    if new != manifest:
-        atomic_write_json(cache / MANIFEST, new)
-    rep.say("data ready")
-    return _bundle(cache, new, tok, cfg.seed)
-
-
 def _store_bundle(cache: Path, m: dict[str, Any], seed: int) -> DataBundle:
     root = cache / STORE_DIR / m["dir"]
     t = m["tokenizer"]
@@ -160,20 +124,13 @@ def _store_bundle(cache: Path, m: dict[str, Any], seed: int) -> DataBundle:
                       domains=list(m["domains"]), manifest=m, seed=seed, store_root=root)
 
 
-def _bundle(cache: Path, manifest: dict[str, Any], tok: Tokenizer, seed: int) -> DataBundle:
-    t = manifest["tokenizer"]
-    return DataBundle(cache_dir=cache, tokenizer=tok, tokenizer_path=cache / TOKENIZER_FILE,
-                      vocab_size=int(t["vocab_size"]), eos_id=int(t["eos_id"]),
-                      eos_token=t["eos_token"], domains=list(manifest["domains"]),
-                      manifest=manifest, seed=seed)
-
-
 def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, verify: bool = True,
                   seed: int = 0) -> DataBundle:
     """Open a cache built by :func:`prepare_data` without reading the sources.
 
-    With ``verify`` (default) every file is checked against the sha256 in the manifest;
-    without it only existence and sizes are. The process counts as a reader of the cache while
+    With ``verify`` (default) every file of the store is checked against the sha256 in its
+    manifest now; without it each file is checked the first time it is read
+    (:class:`remoe.data.shardstore.ShardedStore`). The process counts as a reader of the cache while
     the bundle lives (:mod:`remoe.data.cachelock`): a build with other settings is refused.
     Raises FileNotFoundError (also a DataError) if the cache is incomplete or its manifest
     malformed, ValueError if a file is corrupt (run ``prepare_data`` / ``remoe data`` to
@@ -198,32 +155,6 @@ def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, veri
         if fd is not None:
             weakref.finalize(bundle, release_reader, fd)
         return bundle
-
-
-def _load_prepared_locked(cache: Path, verify: bool, seed: int) -> DataBundle:
-    manifest, why = read_manifest(cache)
-    if manifest is None or "tokens" not in manifest:
-        raise DataNotFoundError(f"no complete data cache in {cache}"
-                                f"{' (' + why + ')' if why else ''} (run `remoe data`)")
-    tok_path = cache / TOKENIZER_FILE
-    files = dict(manifest["corpus"]["files"])
-    files[TOKENIZER_FILE] = {"sha256": manifest["tokenizer"]["sha256"],
-                             "bytes": tok_path.stat().st_size if tok_path.is_file() else -1}
-    for s in SPLITS:
-        for what, meta in manifest["tokens"]["splits"][s]["files"].items():
-            files[f"tokens/{s}.{what}.npy"] = meta
-    if verify:
-        problem = verify_files(cache, files)
-    else:
-        problem = None
-        for rel, meta in sorted(files.items()):
-            p = cache / rel
-            if rel != TOKENIZER_FILE and (not p.is_file() or p.stat().st_size != meta["bytes"]):
-                problem = f"{rel} is missing or truncated"
-                break
-    if problem is not None:
-        raise ValueError(f"data cache {cache} is corrupt: {problem} (run `remoe data` to rebuild)")
-    return _bundle(cache, manifest, Tokenizer.from_file(str(tok_path)), seed)
 
 
 def tokens_fingerprint(arr: np.ndarray) -> str:

@@ -19,18 +19,19 @@ from typing import Iterator
 import numpy as np
 
 from remoe.data.errors import DataError
-from remoe.data.store import Batch, ChunkTable, TokenStore
+from remoe.data.shardstore import ShardedStore
+from remoe.data.store import Batch, ChunkTable
 
 
 class TrainBatches:
-    """Deterministic, resumable training batches over a :class:`TokenStore`.
+    """Deterministic, resumable training batches over a :class:`~remoe.data.shardstore.ShardedStore`.
 
     ``batch(step, micro_step, rank)`` returns a :class:`Batch` with ``input_ids`` int64
     ``[micro_batch, seq_len + 1]`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``) and
     ``domain_ids`` int64 ``[micro_batch]``.
     """
 
-    def __init__(self, store: TokenStore, seq_len: int, micro_batch: int, grad_accum: int = 1,
+    def __init__(self, store: ShardedStore, seq_len: int, micro_batch: int, grad_accum: int = 1,
                  world_size: int = 1, seed: int = 0):
         for name, v, lo in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
                             ("grad_accum", grad_accum, 1), ("world_size", world_size, 1),
@@ -137,7 +138,7 @@ def eval_chunk_indices(table: ChunkTable, num_domains: int,
     return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
 
 
-def eval_batches(store: TokenStore, seq_len: int, batch_size: int,
+def eval_batches(store: ShardedStore, seq_len: int, batch_size: int,
                  max_chunks_per_domain: int | None = None) -> Iterator[Batch]:
     """Deterministic evaluation batches of ``store`` covering every domain.
 

@@ -8,8 +8,8 @@ it. The document index (``doc_offsets`` / ``doc_domains``) is mapped, and checke
 Segments of unit ``-1 - n`` are read in place from Megatron dataset ``n``'s ``.bin`` (the
 manifest's ``external``), checked by size and modification time when first mapped (its sha256
 is checked by ``remoe data --verify``).
-Chunks and batches are exactly those of :class:`remoe.data.store.TokenStore`: chunks of
-``seq_len + 1`` tokens cut domain by domain from the virtual array.
+Chunks and batches: :func:`remoe.data.store.chunk_table`, chunks of ``seq_len + 1`` tokens
+cut domain by domain from the virtual array.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ShardedStore:
 
     @property
     def tokens(self) -> "VirtualTokens":
-        """The split's tokens, sliceable like the single array of format 1 (int64 copies)."""
+        """The split's tokens, sliceable like one array (each slice an int64 copy)."""
         return VirtualTokens(self)
 
     def _docs(self) -> tuple[np.ndarray, np.ndarray]:
