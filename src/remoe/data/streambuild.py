@@ -1,6 +1,6 @@
 """Building the sharded store: plan -> tokenizer -> shards -> index -> manifest, resumably.
 
-Layout (``<cache_dir>/store-v2/``, beside and never touching the single-file cache of format 1)::
+Layout (``<cache_dir>/store-v2/``)::
 
     manifest.json                 the finished store: key, config, domains, sizes, file checksums
     <key16>/plan.labels.u8        one split label per kept document, in stream order
