@@ -252,6 +252,30 @@ def test_yaml_model_section_keeps_its_keys():
         load_config(None, ["model.alpha=x"])
 
 
+def test_the_model_section_is_validated_once_per_path(tmp_path, monkeypatch):
+    """An experiment: load_config validates the spec, model_config serialises it unchecked; a
+    saved config.json (another entry point) is validated when it loads."""
+    from remoe.experiment import load_config
+    from remoe.model.spec import ModelSpec
+
+    calls = []  # the specs validated (transformers also builds default configs to compare)
+    real = ModelSpec.validate
+    monkeypatch.setattr(ModelSpec, "validate", lambda self, p="model.": (calls.append(self),
+                                                                          real(self, p))[1])
+    cfg = load_config(None, ["model.top_k=2", "model.preset=micro", "model.vocab_size=512"])
+    mc = cfg.model_config(vocab_size=512, eos_token_id=3)
+    assert calls == [mc.spec] and (mc.moe_top_k, mc.eos_token_id, mc.hidden_size) == (2, 3, 64)
+    mc.save_pretrained(tmp_path)
+    calls.clear()
+    assert ReMoEConfig.from_pretrained(tmp_path).spec == mc.spec and calls.count(mc.spec) == 1
+    with pytest.raises(TypeError, match="'hidden_size' is a model field"):
+        ReMoEConfig.from_spec(mc.spec, hidden_size=32)
+    bad = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**bad, "moe_top_k": 99}))
+    with pytest.raises(ConfigError, match="^model.top_k=99 must be <= model.num_experts=8$"):
+        ReMoEConfig.from_pretrained(tmp_path)  # an old or edited config.json: still checked
+
+
 def test_registry_knows_which_builtins_add_config_checks():
     """Validation imports (torch-heavy) router modules only for the built-ins listed in
     registry.BUILTINS_WITH_CHECKS: that list must be exactly the classes with their own hook."""

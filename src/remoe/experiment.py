@@ -26,7 +26,7 @@ import yaml
 from remoe import safeyaml
 from remoe.errors import ConfigError
 from remoe.model import registry
-from remoe.model.spec import PRESETS, ModelSpec, RoutingConfig, field_types
+from remoe.model.spec import PRESETS, TOKEN_IDS, ModelSpec, RoutingConfig, field_types
 
 if TYPE_CHECKING:
     from remoe.model.config import ReMoEConfig
@@ -215,21 +215,23 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
 
-    def _model_fields(self, vocab_size: int | None, extra: dict[str, Any]) -> dict[str, Any]:
+    def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
+        """The model's three sections (no torch/transformers), ``vocab_size`` (the tokenizer's)
+        if the section sets none. Validated by :func:`load_config`, not here."""
         fields = dict(self.model)  # a preset stays a key: the model spec expands it
         if vocab_size is not None and "vocab_size" not in fields:
             fields["vocab_size"] = vocab_size
-        return {**fields, **extra}
+        return ModelSpec.from_flat(fields)
 
-    def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
-        """The model's three sections (no torch/transformers; validated by :func:`load_config`)."""
-        return ModelSpec.from_flat(self._model_fields(vocab_size, {}))
-
-    def model_config(self, vocab_size: int | None = None, **extra: Any) -> "ReMoEConfig":
-        """The ReMoEConfig of this experiment (``vocab_size`` from the tokenizer if not set)."""
+    def model_config(self, vocab_size: int | None = None, **hf: Any) -> "ReMoEConfig":
+        """The ReMoEConfig of :meth:`model_spec` (not validated again); ``hf``: token ids, ..."""
         from remoe.model.config import ReMoEConfig
 
-        return ReMoEConfig(**self._model_fields(vocab_size, extra))
+        spec = self.model_spec(vocab_size)
+        if self.train.init_from is not None:  # load_config left these overrides unchecked (the
+            spec.validate()  # run checks them against its source): the defaults they refine
+        ids = {k: v for k, v in self.model.items() if k in TOKEN_IDS}  # model keys, no field
+        return ReMoEConfig.from_spec(spec, **{**ids, **hf})
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": dataclasses.asdict(self.run), "model": dict(self.model),

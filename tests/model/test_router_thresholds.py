@@ -91,10 +91,10 @@ def test_relu_threshold_gates_and_update_by_hand():
     with torch.no_grad():
         r.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]))
     # 40 tokens, target 10 per expert: loads 20, 10, 5, 0 -> errors +1, 0, -0.5, -1
-    r.after_step_with_tokens(torch.tensor([20.0, 10.0, 5.0, 0.0], dtype=torch.float64), 40)
+    r.after_step(torch.tensor([20.0, 10.0, 5.0, 0.0], dtype=torch.float64), 40)
     assert r.threshold_N.tolist() == pytest.approx([0.1, 0.0, -0.05, -0.1])
     # not centred: all over target -> every threshold rises, the mean with them
-    r.after_step_with_tokens(torch.tensor([20.0, 20.0, 20.0, 20.0]), 40)
+    r.after_step(torch.tensor([20.0, 20.0, 20.0, 20.0]), 40)
     assert r.threshold_N.tolist() == pytest.approx([0.2, 0.1, 0.05, 0.0])
     x = torch.tensor([[0.5, -0.1], [-0.1, 0.2]])
     out = r(x, _ctx(2))
@@ -104,7 +104,7 @@ def test_relu_threshold_gates_and_update_by_hand():
     assert torch.equal(out.mask_TN, want > 0)
     assert out.reg_loss.item() == 0.0
     with pytest.raises(ValueError, match="token count"):
-        r.after_step_with_tokens(torch.ones(4), None)
+        r.after_step(torch.ones(4), None)
 
 
 def _skewed(cls, **kw):
@@ -122,7 +122,7 @@ def _step(router, x):
     router.train()
     with torch.enable_grad():
         counts_N = router(x, _ctx(x.shape[0])).mask_TN.sum(0).double()
-    router.after_step_with_tokens(counts_N, x.shape[0])
+    router.after_step(counts_N, x.shape[0])
     return counts_N
 
 
@@ -163,7 +163,7 @@ def test_expert_threshold_ema_of_the_capacity_quantile():
     assert torch.equal(r.threshold_N, before) and int(r.threshold_updates) == 2
     # the load correction: expert 0 at twice its target (error +1), expert 1 at none (-1)
     c = ExpertThresholdRouter(2, 2, 1 / 2, threshold_ema_decay=0.75, threshold_rate=0.1)
-    c.after_step_with_tokens(torch.tensor([20.0, 0.0]), 20)
+    c.after_step(torch.tensor([20.0, 0.0]), 20)
     assert c.correction_N.tolist() == pytest.approx([0.1, -0.1])
     assert c.threshold_N.tolist() == pytest.approx([0.5 * math.exp(0.1), 0.5 * math.exp(-0.1)])
 
@@ -208,7 +208,7 @@ def test_short_training_reaches_the_target_band(name):
         counts_LN = out.aux.active_counts_LN.detach().double()
         T = ids.numel()
         for router, counts_N in zip(routers, counts_LN):
-            router.after_step_with_tokens(counts_N, T)
+            router.after_step(counts_N, T)
         sparsity.append(1.0 - float(counts_LN.sum()) / (T * counts_LN.numel()))
     assert sparsity[0] < 0.7
     tail = sum(sparsity[-40:]) / 40
@@ -259,10 +259,10 @@ def _two_rank_worker(rank: int, world: int, root: str) -> None:
         # rank 0 saw two micro-batches, rank 1 one: the step's mean is over all three
         for q in ([[0.2, 0.4], [0.4, 0.6]], [[0.9, 0.2]])[rank]:
             r._observe(torch.tensor(q))
-        r.after_step_with_tokens(torch.zeros(2), 6)
+        r.after_step(torch.zeros(2), 6)
         want = [(0.2 + 0.4 + 0.9) / 3, (0.4 + 0.6 + 0.2) / 3]
         assert r.quantile_N.tolist() == pytest.approx(want)
-        r.after_step_with_tokens(torch.zeros(2), 6)  # no forward on either rank: no update
+        r.after_step(torch.zeros(2), 6)  # no forward on either rank: no update
         assert r.quantile_N.tolist() == pytest.approx(want) and int(r.threshold_updates) == 1
         (pathlib.Path(root) / f"ok-{rank}").write_text("ok")
     finally:

@@ -1,4 +1,5 @@
-"""Fixtures of the run-directory reliability tests (tests/reliability/test_rundir_*.py)."""
+"""Fixtures of the run-directory reliability tests (tests/reliability/test_rundir_*.py), and
+the small corpora and data configs of the data ones (test_data_*.py import them)."""
 
 import json
 import os
@@ -7,7 +8,47 @@ import sys
 import time
 import traceback
 
+from pathlib import Path
+
 import pytest
+
+from remoe.data import DataConfig, prepare_data
+from remoe.errors import ConfigError
+
+WORDS = "apple banana cherry delta echo foxtrot golf hotel india juliet kilo lima".split()
+
+
+def doc_text(i: int, n_words: int = 150) -> str:
+    """Document ``i``: a title line and ``n_words`` words."""
+    return f"document {i}\n" + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)]
+                                         for j in range(n_words)) + "\n"
+
+
+def txt_corpus(root: Path, domains: tuple[str, ...] = ("alpha", "beta"), docs: int = 6,
+               n_words: int = 150) -> Path:
+    """``root/<domain>/doc_NN.txt``: ``docs`` documents per domain."""
+    for dom in domains:
+        (root / dom).mkdir(parents=True, exist_ok=True)
+        for i in range(docs):
+            (root / dom / f"doc_{i:02d}.txt").write_text(doc_text(i + 100 * len(dom), n_words))
+    return root
+
+
+def data_cfg(tmp_path: Path, *sources: Path | str, **kw) -> DataConfig:
+    """A small DataConfig over ``sources`` with its cache under ``tmp_path``."""
+    base = dict(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"),
+                vocab_size=300, val_fraction=0.2, test_fraction=0.1)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def one_line_error(cfg: DataConfig) -> str:
+    """The ConfigError ``prepare_data(cfg)`` raises, checked to be one line."""
+    with pytest.raises(ConfigError) as info:
+        prepare_data(cfg, progress=False)
+    msg = str(info.value)
+    assert msg and "\n" not in msg
+    return msg
 
 
 @pytest.fixture(scope="session")

@@ -22,41 +22,12 @@ from remoe.data import DataConfig, assign_splits, prepare_data, split_unit
 from remoe.data.documents import Document
 from remoe.errors import ConfigError
 
-WORDS = "apple banana cherry delta echo foxtrot golf hotel india juliet kilo lima".split()
-
-
-def _text(i: int, n_words: int = 150) -> str:
-    return f"document {i}\n" + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)]
-                                         for j in range(n_words)) + "\n"
-
-
-def _txt_corpus(root: Path, domains: tuple[str, ...] = ("alpha", "beta"), docs: int = 6,
-                n_words: int = 150) -> Path:
-    for dom in domains:
-        (root / dom).mkdir(parents=True, exist_ok=True)
-        for i in range(docs):
-            (root / dom / f"doc_{i:02d}.txt").write_text(_text(i + 100 * len(dom), n_words))
-    return root
+from .conftest import data_cfg, doc_text, one_line_error, txt_corpus
 
 
 def _jsonl_bytes(n: int) -> bytes:
-    return b"".join(json.dumps({"text": _text(i), "meta": {"pile_set_name": "web"}}).encode()
+    return b"".join(json.dumps({"text": doc_text(i), "meta": {"pile_set_name": "web"}}).encode()
                     + b"\n" for i in range(n))
-
-
-def _cfg(tmp_path: Path, *sources: Path | str, **kw) -> DataConfig:
-    base = dict(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"),
-                vocab_size=300, val_fraction=0.2, test_fraction=0.1)
-    base.update(kw)
-    return DataConfig(**base)
-
-
-def _one_line_error(cfg: DataConfig) -> str:
-    with pytest.raises(ConfigError) as info:
-        prepare_data(cfg, progress=False)
-    msg = str(info.value)
-    assert msg and "\n" not in msg
-    return msg
 
 
 def _cli_data(argv: list[str], capsys) -> tuple[int, str]:
@@ -70,8 +41,8 @@ def _cli_data(argv: list[str], capsys) -> tuple[int, str]:
 def built_cache(tmp_path_factory):
     """A complete cache of a small two-domain corpus (built once; copy it before changing it)."""
     base = tmp_path_factory.mktemp("built")
-    src = _txt_corpus(base / "corpus")
-    cfg = _cfg(base, src)
+    src = txt_corpus(base / "corpus")
+    cfg = data_cfg(base, src)
     prepare_data(cfg, progress=False)
     return cfg
 
@@ -89,7 +60,7 @@ def test_no_documents_is_one_line_naming_the_sources(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("   \n")
-    msg = _one_line_error(_cfg(tmp_path, empty))
+    msg = one_line_error(data_cfg(tmp_path, empty))
     assert msg.startswith("no documents found") and str(empty) in msg
     rc, err = _cli_data(["--source", str(empty), "--cache-dir", str(tmp_path / "c")], capsys)
     assert rc == 2 and "no documents found" in err and err.count("\n") == 0
@@ -112,7 +83,7 @@ def test_truncated_jsonl_gz_names_file_and_progress(tmp_path):
     f = tmp_path / "src" / "part.jsonl.gz"
     f.parent.mkdir()
     f.write_bytes(data[: len(data) // 2])
-    msg = _one_line_error(_cfg(tmp_path, f.parent))
+    msg = one_line_error(data_cfg(tmp_path, f.parent))
     assert str(f) in msg and "truncated" in msg and "documents" in msg
 
 
@@ -121,7 +92,7 @@ def test_garbage_jsonl_gz_and_zst(tmp_path):
         d = tmp_path / name.replace(".", "_")
         d.mkdir()
         (d / name).write_bytes(os.urandom(4096))
-        msg = _one_line_error(_cfg(tmp_path, d))
+        msg = one_line_error(data_cfg(tmp_path, d))
         assert str(d / name) in msg and "corrupt or truncated" in msg
 
 
@@ -132,7 +103,7 @@ def test_truncated_jsonl_zst_is_an_error_not_silently_partial(tmp_path):
     d = tmp_path / "src"
     d.mkdir()
     (d / "part.jsonl.zst").write_bytes(data[: len(data) // 2])
-    msg = _one_line_error(_cfg(tmp_path, d))
+    msg = one_line_error(data_cfg(tmp_path, d))
     assert "part.jsonl.zst" in msg and "truncated" in msg and " lines " in msg
     # the complete file (and a multi-frame one) still reads every document
     multi = data + zstandard.ZstdCompressor(level=1).compress(_jsonl_bytes(3))
@@ -143,17 +114,17 @@ def test_truncated_jsonl_zst_is_an_error_not_silently_partial(tmp_path):
 
 
 def test_binary_txt_is_rejected_small_nul_count_is_warned(tmp_path, caplog):
-    src = _txt_corpus(tmp_path / "corpus", docs=4)
+    src = txt_corpus(tmp_path / "corpus", docs=4)
     blob = src / "alpha" / "image.txt"
     blob.write_bytes(bytes(range(256)) * 64)  # NULs and control bytes throughout
-    msg = _one_line_error(_cfg(tmp_path, src))
+    msg = one_line_error(data_cfg(tmp_path, src))
     assert str(blob) in msg and "binary" in msg
     blob.write_bytes("UTF-16 text".encode("utf-16"))
-    assert "binary" in _one_line_error(_cfg(tmp_path, src))
+    assert "binary" in one_line_error(data_cfg(tmp_path, src))
     # one stray NUL in a long text file: used, and said so with the count
-    blob.write_bytes(_text(7, 400).encode() + b"\x00")
+    blob.write_bytes(doc_text(7, 400).encode() + b"\x00")
     with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        prepare_data(_cfg(tmp_path, src), progress=False)
+        prepare_data(data_cfg(tmp_path, src), progress=False)
     assert "dropped 1 NUL bytes" in caplog.text
 
 
@@ -177,8 +148,8 @@ def test_one_document_domain_always_trains():
 def test_one_document_corpus_is_an_error_not_an_empty_split(tmp_path, capsys):
     f = tmp_path / "one" / "only.txt"
     f.parent.mkdir()
-    f.write_text(_text(1, 400))
-    msg = _one_line_error(_cfg(tmp_path, f.parent))
+    f.write_text(doc_text(1, 400))
+    msg = one_line_error(data_cfg(tmp_path, f.parent))
     assert "validation split is empty" in msg and "1 document(s)" in msg
     assert "add documents" in msg
     rc, err = _cli_data(["--source", str(f.parent), "--cache-dir", str(tmp_path / "c"),
@@ -189,8 +160,8 @@ def test_one_document_corpus_is_an_error_not_an_empty_split(tmp_path, capsys):
 def _short_validation(tmp_path: Path) -> tuple[DataConfig, int]:
     """A corpus whose validation domains are all shorter than one chunk of ``seq_len + 1``
     tokens while train has full chunks; returns its config and that ``seq_len``."""
-    src = _txt_corpus(tmp_path / "corpus", docs=10, n_words=15)
-    cfg = _cfg(tmp_path, src)
+    src = txt_corpus(tmp_path / "corpus", docs=10, n_words=15)
+    cfg = data_cfg(tmp_path, src)
     bundle = prepare_data(cfg, progress=False)
     seq_len = max(bundle.split("validation").tokens_per_domain().values())
     assert max(bundle.split("train").tokens_per_domain().values()) > seq_len + 1
@@ -271,7 +242,7 @@ def test_complete_cache_is_readable_when_nothing_may_be_written(built_cache, tmp
     monkeypatch.setattr(builtins, "open", real_open)
     (cache / "store-v2" / "manifest.json").write_text("[]")
     monkeypatch.setattr(builtins, "open", ro_open)
-    msg = _one_line_error(cfg)
+    msg = one_line_error(cfg)
     assert "not writable" in msg and str(Path(cfg.cache_dir)) in msg
 
 

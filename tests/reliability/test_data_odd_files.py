@@ -16,46 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from remoe.data import DataConfig, prepare_data
+from remoe.data import prepare_data
 from remoe.data.userdata import read_user_source
-from remoe.errors import ConfigError
 
-WORDS = "apple banana cherry delta echo foxtrot golf hotel india juliet kilo lima".split()
-
-
-def _text(i: int, n_words: int = 150) -> str:
-    return f"document {i}\n" + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)]
-                                         for j in range(n_words)) + "\n"
-
-
-def _corpus(root: Path, docs: int = 6) -> Path:
-    for dom in ("alpha", "beta"):
-        (root / dom).mkdir(parents=True, exist_ok=True)
-        for i in range(docs):
-            (root / dom / f"doc_{i:02d}.txt").write_text(_text(i + 100 * len(dom)))
-    return root
-
-
-def _cfg(tmp_path: Path, *sources, **kw) -> DataConfig:
-    base = dict(sources=[str(s) for s in sources], cache_dir=str(tmp_path / "cache"),
-                vocab_size=300, val_fraction=0.2, test_fraction=0.1)
-    base.update(kw)
-    return DataConfig(**base)
-
-
-def _one_line_error(cfg: DataConfig) -> str:
-    with pytest.raises(ConfigError) as info:
-        prepare_data(cfg, progress=False)
-    msg = str(info.value)
-    assert msg and "\n" not in msg
-    return msg
+from .conftest import data_cfg, doc_text, one_line_error, txt_corpus
 
 
 def test_link_to_a_file_outside_the_source_is_followed(tmp_path):
-    src = _corpus(tmp_path / "src")
+    src = txt_corpus(tmp_path / "src")
     store = tmp_path / "store"
     store.mkdir()
-    (store / "shared.txt").write_text(_text(999))
+    (store / "shared.txt").write_text(doc_text(999))
     (src / "alpha" / "linked.txt").symlink_to(store / "shared.txt")
     docs = {d.key: d for d in read_user_source(src)}
     assert "src/alpha/linked.txt" in docs  # keyed by where it sits, not where it leads
@@ -64,7 +35,7 @@ def test_link_to_a_file_outside_the_source_is_followed(tmp_path):
 
 
 def test_loop_dangling_link_and_fifo_are_skipped_and_counted(tmp_path, caplog):
-    src = _corpus(tmp_path / "src")
+    src = txt_corpus(tmp_path / "src")
     (src / "alpha" / "loop.txt").symlink_to(src / "alpha" / "loop.txt")
     (src / "alpha" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
     os.mkfifo(src / "beta" / "pipe.txt")
@@ -90,7 +61,7 @@ def test_a_source_that_is_not_a_file_or_directory_is_one_line(tmp_path, kind):
         p.symlink_to(p)
     else:
         p.symlink_to(tmp_path / "nowhere.txt")
-    msg = _one_line_error(_cfg(tmp_path, p))
+    msg = one_line_error(data_cfg(tmp_path, p))
     assert str(p) in msg
     assert ("neither a regular file nor a directory" in msg if kind in ("fifo", "chardev")
             else "leads nowhere" in msg), msg
@@ -98,13 +69,13 @@ def test_a_source_that_is_not_a_file_or_directory_is_one_line(tmp_path, kind):
 
 def test_a_document_larger_than_the_budget_is_said_skipped_for_size(tmp_path, caplog):
     big = tmp_path / "big.jsonl"
-    big.write_text(json.dumps({"text": _text(1, 30_000)}) + "\n")
-    msg = _one_line_error(_cfg(tmp_path, big, max_bytes_per_domain=50_000))
+    big.write_text(json.dumps({"text": doc_text(1, 30_000)}) + "\n")
+    msg = one_line_error(data_cfg(tmp_path, big, max_bytes_per_domain=50_000))
     assert "larger than data.max_bytes_per_domain=50,000" in msg and "1 document(s)" in msg
     # beside documents that fit: a counted warning
-    src = _corpus(tmp_path / "src")
-    (src / "alpha" / "big.txt").write_text(_text(7, 30_000))
+    src = txt_corpus(tmp_path / "src")
+    (src / "alpha" / "big.txt").write_text(doc_text(7, 30_000))
     caplog.set_level(logging.WARNING, logger="remoe.data")
-    prepare_data(_cfg(tmp_path, src, max_bytes_per_domain=50_000,
+    prepare_data(data_cfg(tmp_path, src, max_bytes_per_domain=50_000,
                       cache_dir=str(tmp_path / "c2")), progress=False)
     assert "1 document(s) skipped: each is larger than data.max_bytes_per_domain" in caplog.text

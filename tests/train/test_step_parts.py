@@ -63,7 +63,7 @@ def test_step_sums_are_micro_batch_means_and_summed_counts():
 
 def test_step_control_without_controller_and_per_layer_reg_term():
     seen = []
-    router = SimpleNamespace(after_step_with_tokens=lambda counts_N, tokens: seen.append(
+    router = SimpleNamespace(after_step=lambda counts_N, tokens: seen.append(
         (counts_N.tolist(), tokens)))
     ctl = StepControl(None, [router])
     assert ctl.coeffs() == (0.0, None) and ctl.revive_masks() is None

@@ -34,6 +34,17 @@ def _attr(field: str) -> str:
     return "moe_top_k" if field == "top_k" else field
 
 
+def _record_router_module(spec: ModelSpec) -> ModelSpec:
+    """A router registered by a user module, with that module recorded (in config.json too), so
+    that the saved model loads wherever the module is importable (validation imports it)."""
+    r = spec.routing
+    if not r.router_module and isinstance(r.router, str) and r.router not in registry.BUILTINS \
+            and r.router in registry.names():
+        return dataclasses.replace(spec, routing=dataclasses.replace(
+            r, router_module=registry.resolve(r.router).__module__))
+    return spec
+
+
 class ReMoEConfig(PretrainedConfig):
     """Configuration of :class:`remoe.ReMoEForCausalLM`.
 
@@ -49,27 +60,36 @@ class ReMoEConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache field, < 5.24 / 5.24 on
 
     def __init__(self, **kwargs: Any) -> None:
-        if kwargs.get("expert_backend") == "measured":  # a removed opt-in backend: a saved
-            kwargs["expert_backend"] = "auto"  # config.json that names it computes as auto
-        names = field_types(kwargs.get("router", RoutingConfig.router),
-                            kwargs.get("router_module"))
-        fields = {k: kwargs.pop(k) for k in list(kwargs)
-                  if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
-        spec = ModelSpec.from_flat(fields)  # another router's options are checked, then left out
-        r = spec.routing
-        # a router registered by a user module: recorded in config.json, so the saved model
-        # loads wherever that module is importable (it is imported by validation)
-        if not r.router_module and isinstance(r.router, str) and r.router not in registry.BUILTINS \
-                and r.router in registry.names():
-            spec = dataclasses.replace(spec, routing=dataclasses.replace(
-                r, router_module=registry.resolve(r.router).__module__))
-        spec.validate()  # the one validation (a model build reads the spec, never re-checks it)
+        spec = kwargs.pop("_validated_spec", None)  # from_spec: validated by its caller
+        if spec is None:  # from the flat fields (a user's keywords, a saved config.json)
+            if kwargs.get("expert_backend") == "measured":  # a removed opt-in backend: a saved
+                kwargs["expert_backend"] = "auto"  # config.json that names it computes as auto
+            names = field_types(kwargs.get("router", RoutingConfig.router),
+                                kwargs.get("router_module"))
+            fields = {k: kwargs.pop(k) for k in list(kwargs)
+                      if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
+            spec = ModelSpec.from_flat(fields)  # another router's options: checked, left out
+            spec = _record_router_module(spec)
+            spec.validate()  # this path's one validation (a model build never re-checks it)
+        else:
+            spec = _record_router_module(spec)
         for name, value in spec.flat().items():
             setattr(self, _attr(name), value)
         for name, default in TOKEN_IDS.items():
             kwargs.setdefault(name, default)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, **kwargs: Any) -> "ReMoEConfig":
+        """The serialisation of a model config that its caller has validated
+        (:func:`remoe.experiment.load_config` validates the experiment's): not checked again.
+        ``kwargs``: transformers' own (token ids, ``tie_word_embeddings``, ...), no model field."""
+        clash = sorted(set(kwargs) & (set(spec.flat()) | {"moe_top_k", "preset"}))
+        if clash:
+            raise TypeError(f"ReMoEConfig.from_spec: {clash[0]!r} is a model field; set it in "
+                            "the spec")
+        return cls(_validated_spec=spec, **kwargs)
 
     # transformers' generic code looks for these names
     @property

@@ -31,6 +31,7 @@ from remoe.model.config import ReMoEConfig
 from remoe.model import registry
 from remoe.model.moe import LayerAux, MoEConfig, MoELayer, build_ffn
 from remoe.model.routers.base import RouterContext
+from remoe.model.spec import BackboneConfig, ModelSpec
 
 
 @dataclass
@@ -114,18 +115,18 @@ class Attention(nn.Module):
     applies an RMSNorm over the whole query and key projections (``Hq*Dh`` and ``Hkv*Dh``
     wide, eps ``rms_norm_eps``) before RoPE (OLMoE)."""
 
-    def __init__(self, cfg: ReMoEConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: BackboneConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_q, self.n_kv, self.dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         D = cfg.hidden_size
-        bias = bool(getattr(cfg, "attention_bias", False))
+        bias = bool(cfg.attention_bias)
         self.q_proj = nn.Linear(D, self.n_q * self.dh, bias=bias)
         self.k_proj = nn.Linear(D, self.n_kv * self.dh, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv * self.dh, bias=bias)
         self.o_proj = nn.Linear(self.n_q * self.dh, D, bias=False)
         self.q_norm = self.k_norm = None
-        if getattr(cfg, "qk_norm", False):
+        if cfg.qk_norm:
             self.q_norm = RMSNorm(self.n_q * self.dh, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.n_kv * self.dh, cfg.rms_norm_eps)
 
@@ -155,15 +156,15 @@ class DecoderBlock(GradientCheckpointingLayer):
     are recomputed in backward. The routing statistics of the recomputation are discarded (the
     forward's are the ones returned), so each step counts them once."""
 
-    def __init__(self, cfg: ReMoEConfig, layer_idx: int, moe_cfg: MoEConfig | None = None,
+    def __init__(self, cfg: BackboneConfig, layer_idx: int, moe_cfg: MoEConfig,
                  ffn_cls: type | None = None) -> None:
-        """``moe_cfg``/``ffn_cls``: the FFN slot's config and class, made once per model build
-        (read from ``cfg`` here when not given)."""
+        """``cfg``: the backbone section; ``moe_cfg``/``ffn_cls``: the FFN slot's config and
+        class, made once per model build."""
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = build_ffn(moe_cfg or cfg.moe_config(), ffn_cls)
+        self.ffn = build_ffn(moe_cfg, ffn_cls)
 
     def forward(self, x, cos, sin, attn_mask, cache, ctx: RouterContext) -> tuple[Tensor, LayerAux]:
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache)
@@ -247,7 +248,7 @@ class ReMoEPreTrainedModel(PreTrainedModel):
         return super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.init_std
+        std = self.spec.backbone.init_std
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
             if getattr(module, "bias", None) is not None:  # attention_bias: zeros at init
@@ -263,15 +264,17 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: ReMoEConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # the model config read once, its FFN slot's config built once and its router (or FFN
-        # kind) resolved once, for every layer (validated when the config was made)
-        spec = config.spec
-        moe_cfg, ffn_cls = config.moe_config(spec), registry.resolve(spec.routing.router)
-        self.layers = nn.ModuleList(DecoderBlock(config, i, moe_cfg, ffn_cls)
-                                    for i in range(spec.backbone.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the model config read once (validated when it was made): every part of the model
+        # reads its section; the FFN slot's config built once and its router (or FFN kind)
+        # resolved once, for every layer
+        self.spec: ModelSpec = config.spec
+        b = self.spec.backbone
+        moe_cfg, ffn_cls = config.moe_config(self.spec), registry.resolve(self.spec.routing.router)
+        self.embed_tokens = nn.Embedding(b.vocab_size, b.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(b, i, moe_cfg, ffn_cls)
+                                    for i in range(b.num_layers))
+        self.norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
+        self.lm_head = nn.Linear(b.hidden_size, b.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -343,7 +346,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -S:]
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        b = self.spec.backbone
+        cos, sin = rope_cos_sin(position_ids, b.head_dim, b.rope_theta)
         attn_mask = _attention_mask(attention_mask, S, past + S, input_ids.device)
         ctx = RouterContext(batch_size=B, seq_len=S, token_ids_T=input_ids.reshape(-1),
                             step=train_step, record_masks=record_masks, past_len=past,

@@ -71,7 +71,7 @@ class StepControl:
         """The step's statistics; the routers' own update, then the controller's."""
         stats = step_statistics(tot.counts_LN, tot.tokens)
         for router, counts_N in zip(self.token_routers, tot.counts_LN):  # routers with own state
-            router.after_step_with_tokens(counts_N, tot.tokens)
+            router.after_step(counts_N, tot.tokens)
         if self.controller is not None:
             self.controller.update(stats.sparsity, stats.layer_sparsity, tot.counts_LN.tolist(),
                                    tot.tokens)

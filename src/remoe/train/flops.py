@@ -15,33 +15,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from remoe.model import registry
-from remoe.model.config import ReMoEConfig
+from remoe.model.spec import ModelSpec
 
 
 @dataclass
 class FlopCounter:
-    cfg: ReMoEConfig
+    """``spec``: the model config (``ReMoEConfig.spec``, or a model's ``model.spec``)."""
+
+    spec: ModelSpec
     seq_len: int
 
+    @property
+    def _is_moe(self) -> bool:
+        return bool(registry.declares(self.spec.routing.router, "is_moe"))
+
     def _per_token_fixed(self) -> float:
-        c = self.cfg
-        D, L, dh = c.hidden_size, c.num_layers, c.head_dim
-        attn_proj = D * (c.num_heads * dh) * 2 + D * (c.num_kv_heads * dh) * 2
-        attn_scores = 2 * self.seq_len * c.num_heads * dh  # QK^T and AV
-        kind = registry.resolve(c.router)
-        router = D * c.num_experts * c.granularity if c.is_moe and kind.has_router_weights else 0
+        b, r = self.spec.backbone, self.spec.routing
+        D, L, dh = b.hidden_size, b.num_layers, b.head_dim
+        attn_proj = D * (b.num_heads * dh) * 2 + D * (b.num_kv_heads * dh) * 2
+        attn_scores = 2 * self.seq_len * b.num_heads * dh  # QK^T and AV
+        kind = registry.resolve(r.router)
+        moe = self._is_moe
+        router = D * r.num_experts * r.granularity if moe and kind.has_router_weights else 0
         per_layer = 2 * (attn_proj + router) + 2 * attn_scores
-        shared = getattr(c, "shared_expert_size", 0)
-        if c.is_moe and shared:
-            per_layer += 2 * (3 * D * shared + (D if c.shared_expert_gate else 0))
-        if not c.is_moe:
-            per_layer += 2 * 3 * D * kind.width(c.spec)
-        return L * per_layer + 2 * D * c.vocab_size
+        if moe and r.shared_expert_size:
+            per_layer += 2 * (3 * D * r.shared_expert_size + (D if r.shared_expert_gate else 0))
+        if not moe:
+            per_layer += 2 * 3 * D * kind.width(self.spec)
+        return L * per_layer + 2 * D * b.vocab_size
 
     def expert_pair_flops(self) -> float:
         """Forward FLOPs of one active (token, expert) pair."""
-        c = self.cfg
-        return 2 * 3 * c.hidden_size * (c.ffn_hidden_size // c.granularity)
+        b = self.spec.backbone
+        return 2 * 3 * b.hidden_size * (b.ffn_hidden_size // self.spec.routing.granularity)
 
     def forward_flops(self, tokens: int, active_pairs: float) -> float:
         """Forward FLOPs of ``tokens`` tokens whose MoE layers used ``active_pairs`` pairs in all."""
@@ -50,14 +56,14 @@ class FlopCounter:
     def effective_pairs(self, counted_pairs: float, tokens: int) -> float:
         """Pairs that cost an expert computation. Lory reports every expert as used by every
         token but computes one merged expert per token (plus merging E experts per segment)."""
-        return registry.resolve(self.cfg.router).effective_pairs(self.cfg.spec, counted_pairs,
-                                                                 tokens)
+        return registry.resolve(self.spec.routing.router).effective_pairs(self.spec,
+                                                                          counted_pairs, tokens)
 
     def train_flops(self, tokens: int, active_pairs: float) -> float:
         return 3.0 * self.forward_flops(tokens, active_pairs)
 
     def sparse_train_flops_per_token(self) -> float:
-        """Training FLOPs per token at exactly k*G active experts in every MoE layer."""
-        c = self.cfg
-        pairs = c.num_layers * c.moe_top_k * c.granularity if c.is_moe else 0
+        """Training FLOPs per token at exactly k*G experts in every MoE layer."""
+        r = self.spec.routing
+        pairs = self.spec.backbone.num_layers * r.top_k * r.granularity if self._is_moe else 0
         return self.train_flops(1, pairs)

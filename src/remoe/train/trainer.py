@@ -105,7 +105,7 @@ class Trainer:
         # train.fsdp: FSDP2 over the blocks and the root (remoe.distributed.fsdp; None otherwise)
         self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
                      if tc.fsdp else None)
-        self.flops = FlopCounter(self.model_cfg, tc.seq_len)
+        self.flops = FlopCounter(self.model_cfg.spec, tc.seq_len)
         # the token router of every MoE layer, in the order of the rows of the expert counts
         routed = [b.ffn for b in self.model.layers if isinstance(getattr(b.ffn, "router", None),
                                                                    Router)]

@@ -107,7 +107,7 @@ def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
 
     exp = load_run_config(config)
     mc = _model_cfg(exp)
-    counter = FlopCounter(mc, exp.train.seq_len)
+    counter = FlopCounter(mc.spec, exp.train.seq_len)
     return _step_flops(mc, counter, tokens_per_step(config), pairs_per_token(mc))
 
 
@@ -119,7 +119,7 @@ def estimate_flops(config: dict[str, dict[str, Any]]) -> RunCost:
     exp = load_run_config(config)
     tc, ac = exp.train, exp.analysis
     mc = _model_cfg(exp)
-    counter = FlopCounter(mc, tc.seq_len)
+    counter = FlopCounter(mc.spec, tc.seq_len)
     tps = (tc.seq_len + 1) * tc.micro_batch_size * tc.grad_accum  # as the sampler draws
     dense = relu_dense_steps(mc)
     flops, step, tokens = 0.0, 0, 0

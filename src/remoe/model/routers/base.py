@@ -9,7 +9,9 @@ experts only ever see a Routing, never the router that produced it.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -110,19 +112,42 @@ class Router(nn.Module):
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:  # pragma: no cover
         raise NotImplementedError
 
-    def after_step(self, counts_N: Tensor) -> None:
-        """Called by the trainer once after every optimizer step with this layer's tokens per
-        expert in that step (``[N]``, summed over micro-batches and data-parallel ranks, so every
-        rank sees the same counts). A hook for routers with non-gradient state (the expert bias
-        of ``topk_auxfree``); nothing by default."""
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
+        """The one post-step hook: the trainer calls it once after every optimizer step with
+        this layer's tokens per expert in that step (``[N]``) and the step's token count
+        ``num_tokens``, both summed over micro-batches and data-parallel ranks (so every rank
+        sees the same values; ``num_tokens`` None where the caller does not know it). For
+        routers with non-gradient state (the expert bias of ``topk_auxfree``, the thresholds);
+        nothing by default. A subclass that overrides it with the older one-argument
+        ``after_step(self, counts_N)`` is adapted when its class is made (the count dropped)."""
 
-    def after_step_with_tokens(self, counts_N: Tensor, num_tokens: float | None) -> None:
-        """What the trainer calls after every optimizer step: :meth:`after_step` with, besides
-        the counts, the step's token count ``num_tokens`` (summed over micro-batches and ranks;
-        None where the caller does not know it). Routers whose update needs it (a target load
-        of ``k T / E`` tokens per expert: ``relu_threshold``) override this one; by default it
-        calls :meth:`after_step`."""
-        self.after_step(counts_N)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hook = cls.__dict__.get("after_step")
+        if callable(hook) and not _takes_num_tokens(hook):
+            cls.after_step = _counts_only(hook)
+
+
+def _takes_num_tokens(hook) -> bool:
+    """Whether ``hook(self, counts_N, num_tokens)`` binds (an unreadable signature: assumed)."""
+    try:
+        inspect.signature(hook).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def _counts_only(hook):
+    """``after_step(self, counts_N, num_tokens=None)`` calling a one-argument ``hook``."""
+
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
+        return hook(self, counts_N)
+
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(after_step, name, getattr(hook, name, None))
+    return after_step
 
 
 def zero(x: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ another token of the batch, in training as at inference) and there is no auxilia
     gates_TN = s_TN * mask_TN            the score is the gate (gradient to W through it)
     theta_N = qbar_N * exp(u_N)          qbar: the EMA quantile; u: the load correction
 
-After every optimizer step (:meth:`Router.after_step_with_tokens`), the step's quantile ``q_N``
+After every optimizer step (:meth:`Router.after_step`), the step's quantile ``q_N``
 joins the average: ``q_e`` is the midpoint of the C-th and (C+1)-th largest score of expert e
 in a micro-batch (exactly C of its tokens clear it), averaged over the step's micro-batches and
 the data-parallel ranks (one all-reduce of N+1 numbers per layer and step when distributed)::
@@ -130,16 +130,15 @@ class ExpertThresholdRouter(Router):
         self._pending = row if self._pending is None else self._pending + row
 
     @torch.no_grad()
-    def after_step_with_tokens(self, counts_N: Tensor, num_tokens: float | None) -> None:
-        """The EMA update (:meth:`after_step`), then the load correction
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
+        """The EMA update (:meth:`_fold_quantiles`), then the load correction
         ``u_e += rate * (c_e / (k T / E) - 1)`` (skipped without a token count)."""
-        self.after_step(counts_N)
+        self._fold_quantiles()
         if self.threshold_rate > 0 and num_tokens:
             err_N = counts_N.detach().cpu().to(torch.float64) / (num_tokens * self.target_density)
             self.correction_N.add_((self.threshold_rate * (err_N - 1.0)).to(self.correction_N))
 
-    @torch.no_grad()
-    def after_step(self, counts_N: Tensor) -> None:
+    def _fold_quantiles(self) -> None:
         """Fold the step's mean quantile into the EMA (no-op if the step had no training
         forward)."""
         pending, self._pending = self._pending, None

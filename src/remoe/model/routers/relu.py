@@ -138,7 +138,7 @@ class ReLURouter(Router):
         return Routing(gates_TN, mask_TN, reg, aux, max_pairs=cap)
 
     @torch.no_grad()
-    def after_step(self, counts_N: Tensor) -> None:
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
         """``balance_bias_rate``: move each expert's offset against the step's load error
         (``counts_N``: tokens per expert over micro-batches and ranks, the same on every rank)."""
         if self.balance_bias_rate > 0:

@@ -7,7 +7,7 @@ buffer (saved with the model, restored on resume, never touched by the optimizer
 regularisation term (``reg_loss = 0``, no lambda controller: the router does not declare
 ``uses_adaptive_reg``) and no auxiliary loss. After every optimizer step the trainer hands the
 router its layer's tokens per expert ``c_N`` and the step's token count ``T``, both summed over
-micro-batches and data-parallel ranks (:meth:`Router.after_step_with_tokens`; every rank sees
+micro-batches and data-parallel ranks (:meth:`Router.after_step`; every rank sees
 the same numbers, so every rank makes the same step), and each threshold moves in proportion to
 its expert's relative load error, the load over its target ``k T / E`` (``k/E`` of the tokens,
 for any G) minus one::
@@ -90,7 +90,7 @@ class ReLUThresholdRouter(Router):
         return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
 
     @torch.no_grad()
-    def after_step_with_tokens(self, counts_N: Tensor, num_tokens: float | None) -> None:
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
         """Move each threshold by ``rate * (c_e / (k T / E) - 1)``."""
         if num_tokens is None:
             raise ValueError("relu_threshold needs the step's token count to update its "

@@ -57,7 +57,7 @@ class AuxFreeTopKRouter(Router):
         return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD), num_pairs=x_TD.shape[0] * self.k)
 
     @torch.no_grad()
-    def after_step(self, counts_N: Tensor) -> None:
+    def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
         """Move the bias by the step's load error (``counts_N``: tokens per expert, [N])."""
         if self.bias_update_rate == 0:
             return
