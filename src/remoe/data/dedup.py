@@ -101,13 +101,15 @@ class SeenFingerprints:
         if self._bloom is None:
             self._bloom = bytearray(self.bloom_bits // 8)
         bits = np.frombuffer(self._bloom, dtype=np.uint8)
-        h1 = keys & np.uint64(0xFFFFFFFF)
-        h2 = (keys >> np.uint64(32)) | np.uint64(1)
         m = np.uint64(self.bloom_bits)
-        for i in range(_HASHES):
-            p = (h1 + np.uint64(i) * h2) % m
-            np.bitwise_or.at(bits, p >> np.uint64(3),
-                             np.left_shift(1, p & np.uint64(7)).astype(np.uint8))
+        for a in range(0, keys.shape[0], 1 << 20):  # 1M keys at a time: small temporaries
+            chunk = keys[a: a + (1 << 20)]
+            h1 = chunk & np.uint64(0xFFFFFFFF)
+            h2 = (chunk >> np.uint64(32)) | np.uint64(1)
+            for i in range(_HASHES):
+                p = (h1 + np.uint64(i) * h2) % m
+                np.bitwise_or.at(bits, p >> np.uint64(3),
+                                 np.left_shift(np.uint8(1), (p & np.uint64(7)).astype(np.uint8)))
 
     def add(self, fp: int) -> None:
         """Remember ``fp`` (one not seen before: :meth:`add_if_new` checks)."""

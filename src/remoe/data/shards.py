@@ -16,8 +16,9 @@ in ``.bin``, tokens) and read from the dataset's ``.bin`` by the store.
 
 A unit depends only on its documents, so ``workers`` processes encode units in parallel
 (``tokenizers``' batch encoding, one thread each), at most ``2 * workers`` in flight; one
-worker encodes in this process, also on one thread. So ``workers`` is the number of cores
-the encoding uses (the process reading the sources adds a few per cent of one). Every file
+worker encodes in a thread of this process, also on one thread, while this thread reads on.
+So ``workers`` is the number of cores the encoding uses; reading the sources (decompress, parse)
+runs beside it and adds a part of one more. Every file
 is written to a temporary name and moved into place, then the unit's line (sections, sizes,
 sha256 of each file) is appended to ``journal.jsonl``: after a kill, the units of complete
 journal lines are skipped (their text is read past, not encoded) and the others are redone
@@ -26,6 +27,7 @@ from scratch, so the result is bit-identical to an uninterrupted build.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -235,12 +237,20 @@ def _serial_tokenizers() -> Iterator[None]:
 def _encode_here(units: Iterator[tuple[int, list]], done: dict[int, dict[str, Any]],
                  metas: dict[int, dict[str, Any]], on_unit: Callable[[dict[str, Any], bool], None],
                  record: Callable[[dict[str, Any]], None], job_base: dict[str, Any]) -> None:
-    for uid, items in units:
-        if uid in done:
-            metas[uid] = done[uid]
-            on_unit(done[uid], False)
-        else:
-            record(encode_unit({**job_base, "unit": uid, "items": items}))
+    """One worker: a thread of this process encodes each unit while this thread reads the
+    next (``tokenizers`` releases the GIL while it encodes), at most 2 units in flight."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as encoder:
+        pending: list[concurrent.futures.Future] = []
+        for uid, items in units:
+            if uid in done:
+                metas[uid] = done[uid]
+                on_unit(done[uid], False)
+                continue
+            pending.append(encoder.submit(encode_unit, {**job_base, "unit": uid, "items": items}))
+            while len(pending) >= 2:
+                record(pending.pop(0).result())
+        for fut in pending:
+            record(fut.result())
 
 
 def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dict[str, Any],

@@ -4,7 +4,8 @@
     remoe bench --suite data --dedup-docs 30000000      # exact deduplication alone
 
 For each worker count N: a fresh ``remoe data`` build of FILE (subprocess; peak RSS is the
-largest sum of the resident sets of it and its workers, sampled every 0.1 s), then its
+largest sum of the resident sets of it and its workers, sampled every 0.1 s; "cores busy" is
+the CPU seconds of it and its workers over the wall time), then its
 start-up (opening the finished store in a new process), then raw ``tokenizers``
 ``encode_batch_fast`` of the same text on N threads (1 MB batches, reading excluded). Prints a
 table and writes JSON. ``make_pile_like(path, n_bytes)`` writes synthetic Pile-format text.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,7 +56,14 @@ def _tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, int]:
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS of the process tree, CPU seconds of the tree (every core)."""
+    cpu0 = _children_cpu_s()
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = 0
@@ -64,7 +73,7 @@ def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, int]
     err = proc.stderr.read().decode() if proc.stderr else ""
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {err[-500:]}")
-    return time.perf_counter() - t, peak, proc.returncode
+    return time.perf_counter() - t, peak, _children_cpu_s() - cpu0
 
 
 def measure(input_path: Path, tokenizer: Path, workers: int) -> dict[str, Any]:
@@ -74,7 +83,7 @@ def measure(input_path: Path, tokenizer: Path, workers: int) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "remoe.cli", "data", "--source", f"bench={input_path}",
                "--cache-dir", tmp, "--tokenizer", str(tokenizer), "--max-bytes-per-domain",
                str(1 << 50), "--workers", str(workers), "--quiet"]
-        wall, peak, _ = _run_measured(cmd, env)
+        wall, peak, cpu = _run_measured(cmd, env)
         open_code = ("import time,sys; t=time.perf_counter(); from remoe.data import "
                      "load_prepared; b=load_prepared(sys.argv[1], verify=False); "
                      "b.split('train'); print(time.perf_counter()-t)")
@@ -88,7 +97,8 @@ def measure(input_path: Path, tokenizer: Path, workers: int) -> dict[str, Any]:
     r = json.loads(raw.stdout.strip().splitlines()[-1])
     text_bytes = sum(v["bytes"] for s in m["corpus"]["splits"].values() for v in s.values())
     return {"input_bytes": n_bytes, "text_bytes": text_bytes, "workers": workers,
-            "wall_s": wall, "MB_per_s": text_bytes / wall / 1e6, "tokens_per_s": tokens / wall,
+            "wall_s": wall, "cpu_s": cpu, "cores_busy": cpu / wall,
+            "MB_per_s": text_bytes / wall / 1e6, "tokens_per_s": tokens / wall,
             "peak_rss_GB": peak / 1e9, "startup_s": float(start.stdout.strip().splitlines()[-1]),
             "raw_tokenizers_MB_per_s": text_bytes / r["s"] / 1e6,
             "raw_tokens_per_s": r["tokens"] / r["s"]}
@@ -158,9 +168,10 @@ def measure_dedup(n_docs: int, dup_share: float = 0.05) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| text | workers | wall s | MB/s | tokens/s | raw tokenizers MB/s | ratio | "
-            "peak RSS GB | start-up s |\n|---|---|---|---|---|---|---|---|---|")
+    head = ("| text | workers | wall s | cores busy | MB/s | tokens/s | raw tokenizers MB/s | "
+            "ratio | peak RSS GB | start-up s |\n|---|---|---|---|---|---|---|---|---|---|")
     body = [f"| {r['text_bytes'] / 1e9:.2f} GB | {r['workers']} | {r['wall_s']:.0f} | "
+            f"{r.get('cores_busy', float('nan')):.2f} | "
             f"{r['MB_per_s']:.2f} | {r['tokens_per_s'] / 1e6:.2f}M | "
             f"{r['raw_tokenizers_MB_per_s']:.2f} | "
             f"{r['MB_per_s'] / r['raw_tokenizers_MB_per_s']:.2f} | {r['peak_rss_GB']:.2f} | "
