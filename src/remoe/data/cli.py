@@ -46,8 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"test share of documents (default: {d.test_fraction})")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="tokenise on N cores, one process each (default: the cores this "
-                             "process may use)")
+                        help="tokenise on N cores (default: the cores this process may use)")
     parser.add_argument("--shard-bytes", type=int, default=None, metavar="B",
                         help="bytes of text per token shard (default: 64 MiB)")
     parser.add_argument("--verify", action="store_true",

@@ -142,6 +142,9 @@ class SeenFingerprints:
             r.close()
         self._disk_runs.clear()
 
+    def __del__(self) -> None:  # a set nobody closed still gives its file descriptors back
+        self.close()
+
 
 class RecordedFingerprints:
     """:class:`SeenFingerprints` whose every answer is also written, one byte each (1 new,
