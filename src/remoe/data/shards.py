@@ -234,23 +234,24 @@ def _serial_tokenizers() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def _encode_here(units: Iterator[tuple[int, list]], done: dict[int, dict[str, Any]],
-                 metas: dict[int, dict[str, Any]], on_unit: Callable[[dict[str, Any], bool], None],
-                 record: Callable[[dict[str, Any]], None], job_base: dict[str, Any]) -> None:
-    """One worker: a thread of this process encodes each unit while this thread reads the
-    next (``tokenizers`` releases the GIL while it encodes), at most 2 units in flight."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as encoder:
-        pending: list[concurrent.futures.Future] = []
-        for uid, items in units:
-            if uid in done:
-                metas[uid] = done[uid]
-                on_unit(done[uid], False)
-                continue
-            pending.append(encoder.submit(encode_unit, {**job_base, "unit": uid, "items": items}))
-            while len(pending) >= 2:
-                record(pending.pop(0).result())
-        for fut in pending:
-            record(fut.result())
+def _encode_all(units: Iterator[tuple[int, list]], done: dict[int, dict[str, Any]],
+                metas: dict[int, dict[str, Any]], on_unit: Callable[[dict[str, Any], bool], None],
+                record: Callable[[dict[str, Any]], None], job_base: dict[str, Any],
+                submit: Callable[[dict[str, Any]], Callable[[], dict[str, Any]]],
+                in_flight: int) -> None:
+    """Skip the journal's units, hand the others to ``submit`` (which returns a call that waits
+    for the unit's entry) with at most ``in_flight`` pending, and record them in order."""
+    pending: list[Callable[[], dict[str, Any]]] = []
+    for uid, items in units:
+        if uid in done:
+            metas[uid] = done[uid]
+            on_unit(done[uid], False)
+            continue
+        pending.append(submit({**job_base, "unit": uid, "items": items}))
+        while len(pending) >= in_flight:
+            record(pending.pop(0)())
+    for wait in pending:
+        record(wait())
 
 
 def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dict[str, Any],
@@ -272,24 +273,15 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
         on_unit(meta, True)
 
     try:
-        if workers <= 1:
-            with _serial_tokenizers():
-                _encode_here(units, done, metas, on_unit, record, job_base)
+        if workers <= 1:  # a thread encodes while this one reads (the GIL is released)
+            with _serial_tokenizers(), concurrent.futures.ThreadPoolExecutor(1) as encoder:
+                _encode_all(units, done, metas, on_unit, record, job_base,
+                            lambda job: encoder.submit(encode_unit, job).result, 2)
         else:
             ctx = multiprocessing.get_context("spawn")
             with ctx.Pool(workers, initializer=_one_thread) as pool:
-                pending: list[Any] = []
-                for uid, items in units:
-                    if uid in done:
-                        metas[uid] = done[uid]
-                        on_unit(done[uid], False)
-                        continue
-                    pending.append(pool.apply_async(encode_unit,
-                                                    ({**job_base, "unit": uid, "items": items},)))
-                    while len(pending) >= 2 * workers:
-                        record(pending.pop(0).get())
-                for res in pending:
-                    record(res.get())
+                _encode_all(units, done, metas, on_unit, record, job_base,
+                            lambda job: pool.apply_async(encode_unit, (job,)).get, 2 * workers)
     finally:
         journal.close()
     return [metas[u] for u in sorted(metas)]

@@ -74,13 +74,15 @@ def source_fingerprint(sources: list[str]) -> list[Any]:
     return out
 
 
-def build_key(cfg: DataConfig) -> str:
-    """The store's key; the shard size is not part of it (it changes the files, not the data)."""
+def build_key(cfg: DataConfig, fingerprint: list[Any]) -> str:
+    """The store's key, from the settings and the sources' ``fingerprint``
+    (:func:`source_fingerprint`); the shard size is not part of it (it changes the files, not
+    the data)."""
     tok = None
     if cfg.tokenizer is not None:
         tok = sha256_bytes(_tok.load_tokenizer(Path(cfg.tokenizer)).to_str().encode("utf-8"))
     return stage_key({"format": STORE_FORMAT, "sources": list(cfg.sources),
-                      "fingerprint": source_fingerprint(list(cfg.sources)),
+                      "fingerprint": fingerprint,
                       "max_bytes": cfg.max_bytes_per_domain, "val": cfg.val_fraction,
                       "test": cfg.test_fraction, "vocab": cfg.vocab_size, "tokenizer": tok,
                       "tokenizer_train_bytes": cfg.tokenizer_train_bytes,
@@ -219,12 +221,12 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                 before_write: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
     """Build (or resume, or reuse) the store of ``cfg``; returns its manifest."""
     store = cache / STORE_DIR
-    key = build_key(cfg)
+    fingerprint = source_fingerprint(list(cfg.sources))  # one stat per source file
+    key = build_key(cfg, fingerprint)
     m = finished_manifest(store, key)
     if m is not None:
         say("sharded store unchanged: reusing it")
         return m
-    fingerprint = source_fingerprint(list(cfg.sources))
     why = rebuild_reason(store, cfg, key, fingerprint)
     if why is not None:
         log.warning("data cache %s: %s; building the sharded store again", cache, why)
