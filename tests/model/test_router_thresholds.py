@@ -13,8 +13,9 @@ from remoe import ReMoEConfig, ReMoEForCausalLM
 from remoe.errors import ConfigError
 from remoe.model import registry
 from remoe.model.routers import RouterContext
-from remoe.model.routers.expert_threshold import ExpertThresholdRouter, capacity_quantile
+from remoe.model.routers.expert_threshold import ExpertThresholdRouter
 from remoe.model.routers.relu_threshold import ReLUThresholdRouter
+from remoe.model.routers.thresholds import capacity_quantile
 
 ROUTERS = {"relu_threshold": ReLUThresholdRouter, "expert_threshold": ExpertThresholdRouter}
 OPTION = {"relu_threshold": ("threshold_rate", 0.2),
@@ -107,6 +108,43 @@ def test_relu_threshold_gates_and_update_by_hand():
         r.after_step(torch.ones(4), None)
 
 
+def test_relu_threshold_quantile_rule_by_hand():
+    """``threshold_rule: quantile``: theta = EMA of the logits' capacity quantile + the load
+    correction; its state exists only under that rule (the default's state dict is unchanged)."""
+    assert list(ReLUThresholdRouter(2, 2, 1 / 2).state_dict()) == ["weight", "threshold_N"]
+    r = ReLUThresholdRouter(2, 2, 1 / 2, threshold_rate=0.1, threshold_rule="quantile",
+                            threshold_ema_decay=0.75)
+    assert sorted(r.state_dict()) == ["correction_N", "quantile_N", "threshold_N",
+                                      "threshold_updates", "weight"]
+    with torch.no_grad():
+        r.weight.copy_(torch.eye(2))
+    x = torch.tensor([[0.9, -0.1], [0.6, 0.4], [-0.3, 0.7], [0.2, 0.8]])
+    r.train()
+    with torch.enable_grad():
+        out = r(x, _ctx(4))
+    assert torch.equal(out.gates_TN, torch.relu(x))  # theta 0 before any update
+    # C = 2: midpoints of each expert's 2nd and 3rd largest logit: 0.4 and 0.55
+    r.after_step(torch.tensor([4.0, 0.0]), 4)  # loads 4 and 0 against 2: errors +1, -1
+    assert r.quantile_N.tolist() == pytest.approx([0.4, 0.55])  # the first update replaces
+    assert r.correction_N.tolist() == pytest.approx([0.1, -0.1])
+    assert r.threshold_N.tolist() == pytest.approx([0.5, 0.45])
+    with torch.enable_grad():
+        r(x + 1.0, _ctx(4))  # the logits drift up by 1: so does the quantile, in one step
+    r.after_step(torch.tensor([2.0, 2.0]), 4)  # on target: the correction stays
+    assert r.quantile_N.tolist() == pytest.approx([0.75 * 0.4 + 0.25 * 1.4,
+                                                   0.75 * 0.55 + 0.25 * 1.55])
+    assert r.threshold_N.tolist() == pytest.approx((r.quantile_N + r.correction_N).tolist())
+    r.eval()
+    r(x, _ctx(4))  # no quantile from an evaluation forward
+    r.after_step(torch.zeros(2), 4)
+    assert int(r.threshold_updates) == 2
+    with pytest.raises(ConfigError, match=r"^model\.threshold_rule='mean' must be one of load, "
+                                          r"quantile$"):
+        ReMoEConfig.from_preset("micro", router="relu_threshold", threshold_rule="mean")
+    with pytest.raises(ConfigError, match=r"^model\.threshold_ema_decay=1\.0 must be"):
+        ReMoEConfig.from_preset("micro", router="relu_threshold", threshold_ema_decay=1.0)
+
+
 def _skewed(cls, **kw):
     """A router whose expert 0 scores high on most tokens and expert 3 on none."""
     torch.manual_seed(0)
@@ -186,13 +224,15 @@ def test_expert_threshold_routes_each_token_on_its_own():
     r._pending = None
 
 
-@pytest.mark.parametrize("name", list(ROUTERS))
-def test_short_training_reaches_the_target_band(name):
+@pytest.mark.parametrize("name,kw", [("relu_threshold", {}),
+                                     ("relu_threshold", {"threshold_rule": "quantile"}),
+                                     ("expert_threshold", {})])
+def test_short_training_reaches_the_target_band(name, kw):
     """A micro model trained 120 steps on a fixed synthetic stream, the thresholds updated
     after each optimizer step from the step's counts as the trainer does: the sparsity of the
     last 40 steps averages within 0.02 of 1 - k/E = 0.875 (it starts near 0.5)."""
     torch.manual_seed(0)
-    cfg = ReMoEConfig.from_preset("micro", router=name)
+    cfg = ReMoEConfig.from_preset("micro", router=name, **kw)
     model = ReMoEForCausalLM(cfg)
     routers = [layer.ffn.router for layer in model.layers]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -215,14 +255,16 @@ def test_short_training_reaches_the_target_band(name):
     assert abs(tail - 0.875) < 0.02, (tail, sparsity[-10:])
 
 
-@pytest.mark.parametrize("name", list(ROUTERS))
-def test_trainer_resumes_the_thresholds_bit_exactly(name, make_overrides, tmp_path):
+@pytest.mark.parametrize("name,extra", [("relu_threshold", {}),
+                                        ("relu_threshold", {"model.threshold_rule": "quantile"}),
+                                        ("expert_threshold", {})])
+def test_trainer_resumes_the_thresholds_bit_exactly(name, extra, make_overrides, tmp_path):
     from remoe.experiment import load_config
     from remoe.train.trainer import Trainer
 
     cfg = load_config(None, make_overrides(tmp_path, name, **{
         "model.router": name, "train.max_steps": 4, "train.eval_every": 0,
-        "train.save_every": 0, "analysis.record_masks_every": 0}))
+        "train.save_every": 0, "analysis.record_masks_every": 0, **extra}))
     t = Trainer(cfg, progress=False)
     assert t.controller is None
     routers = t.token_routers
@@ -243,6 +285,8 @@ def test_trainer_resumes_the_thresholds_bit_exactly(name, make_overrides, tmp_pa
     assert again["expert_counts"] == rec["expert_counts"] and again["lm_loss"] == rec["lm_loss"]
     for r, want in zip(resumed.token_routers, after):
         assert torch.equal(r.threshold_N, want)
+    if extra:  # the quantile rule's own state came back too
+        assert all(int(r.threshold_updates) == 3 for r in resumed.token_routers)
     resumed.close()
 
 

@@ -14,7 +14,7 @@ another token of the batch, in training as at inference) and there is no auxilia
     theta_N = qbar_N * exp(u_N)          qbar: the EMA quantile; u: the load correction
 
 After every optimizer step (:meth:`Router.after_step`), the step's quantile ``q_N``
-joins the average: ``q_e`` is the midpoint of the C-th and (C+1)-th largest score of expert e
+joins the average (:mod:`remoe.model.routers.thresholds`, shared with ``relu_threshold``): ``q_e`` is the midpoint of the C-th and (C+1)-th largest score of expert e
 in a micro-batch (exactly C of its tokens clear it), averaged over the step's micro-batches and
 the data-parallel ranks (one all-reduce of N+1 numbers per layer and step when distributed)::
 
@@ -45,11 +45,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from remoe.errors import ConfigError
 from remoe.model.routers.base import Router, RouterContext, Routing, zero
+from remoe.model.routers.thresholds import QuantileEMA, capacity_quantile
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,7 @@ class ExpertThresholdOptions:
                               "(0: no load correction)")
 
 
-def capacity_quantile(scores_TN: Tensor, target_density: float) -> Tensor:
-    """Per expert, a score that exactly ``C = round(T k/E)`` (clamped to [1, T-1]) of its tokens
-    exceed: the midpoint of its C-th and (C+1)-th largest scores ([N], no gradient)."""
-    T = scores_TN.shape[0]
-    c = max(1, min(T - 1, math.floor(T * target_density + 0.5)))
-    top_CN = scores_TN.detach().topk(c + 1, dim=0).values
-    return 0.5 * (top_CN[c - 1] + top_CN[c])
-
-
-class ExpertThresholdRouter(Router):
+class ExpertThresholdRouter(QuantileEMA, Router):
     """``softmax(x W)`` kept where it clears each expert's threshold (module docstring)."""
 
     options = ExpertThresholdOptions
@@ -123,12 +114,6 @@ class ExpertThresholdRouter(Router):
         gates_TN = scores_TN * mask_TN
         return Routing(gates_TN, mask_TN, zero(x_TD), zero(x_TD))
 
-    def _observe(self, q_N: Tensor) -> None:
-        """Add one micro-batch's quantiles to the step's (a recomputed forward adds the same
-        values again, which leaves their mean unchanged)."""
-        row = torch.cat([q_N.to(torch.float64), q_N.new_ones(1, dtype=torch.float64)])
-        self._pending = row if self._pending is None else self._pending + row
-
     @torch.no_grad()
     def after_step(self, counts_N: Tensor, num_tokens: float | None = None) -> None:
         """The EMA update (:meth:`_fold_quantiles`), then the load correction
@@ -137,24 +122,6 @@ class ExpertThresholdRouter(Router):
         if self.threshold_rate > 0 and num_tokens:
             err_N = counts_N.detach().cpu().to(torch.float64) / (num_tokens * self.target_density)
             self.correction_N.add_((self.threshold_rate * (err_N - 1.0)).to(self.correction_N))
-
-    def _fold_quantiles(self) -> None:
-        """Fold the step's mean quantile into the EMA (no-op if the step had no training
-        forward)."""
-        pending, self._pending = self._pending, None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if pending is None:  # every rank must join the collective
-                pending = torch.zeros(self.num_experts + 1, dtype=torch.float64,
-                                      device=self.quantile_N.device)
-            dist.all_reduce(pending)
-        if pending is None:
-            return
-        q_N = (pending[:-1] / pending[-1].clamp(min=1.0)).to(self.quantile_N)
-        first = self.threshold_updates == 0
-        ema_N = self.decay * self.quantile_N + (1.0 - self.decay) * q_N
-        fresh = (pending[-1] > 0).to(self.quantile_N.device)
-        self.quantile_N.copy_(torch.where(fresh, torch.where(first, q_N, ema_N), self.quantile_N))
-        self.threshold_updates.add_(fresh.to(torch.int64))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, target_density={self.target_density}, "
