@@ -233,6 +233,11 @@ class MaskFile:
     def size(self) -> int:
         return self.member_size if self.member else self.path.stat().st_size
 
+    @property
+    def name(self) -> str:
+        """The ``masks_<step>.npz`` name, inside a zip or not."""
+        return Path(self.member).name if self.member else self.path.name
+
     def read(self) -> bytes:
         if self.member is None:
             return self.path.read_bytes()
