@@ -87,6 +87,23 @@ def test_thresholds_saved_and_restored(name, tmp_path):
     assert torch.equal(model(ids).logits, back(ids).logits)
 
 
+def test_relu_threshold_quantile_state_saved_and_restored(tmp_path):
+    torch.manual_seed(0)
+    model = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="relu_threshold",
+                                                     threshold_rule="quantile"))
+    router = model.layers[0].ffn.router
+    router.quantile_N.copy_(torch.linspace(-0.2, 0.3, 8))
+    router.correction_N.copy_(torch.linspace(0.1, -0.1, 8))
+    router.threshold_N.copy_(router.quantile_N + router.correction_N)
+    router.threshold_updates.fill_(5)
+    model.save_pretrained(tmp_path)
+    back = ReMoEForCausalLM.from_pretrained(tmp_path)
+    assert back.config.threshold_rule == "quantile"
+    got = back.layers[0].ffn.router
+    for name in ("quantile_N", "correction_N", "threshold_N", "threshold_updates"):
+        assert torch.equal(getattr(got, name), getattr(router, name)), name
+
+
 def test_relu_threshold_gates_and_update_by_hand():
     r = ReLUThresholdRouter(2, 4, 1 / 4, threshold_rate=0.1)
     with torch.no_grad():
