@@ -13,10 +13,11 @@ another token of the batch, in training as at inference) and there is no auxilia
     gates_TN = s_TN * mask_TN            the score is the gate (gradient to W through it)
     theta_N = qbar_N * exp(u_N)          qbar: the EMA quantile; u: the load correction
 
-After every optimizer step (:meth:`Router.after_step`), the step's quantile ``q_N``
-joins the average (:mod:`remoe.model.routers.thresholds`, shared with ``relu_threshold``): ``q_e`` is the midpoint of the C-th and (C+1)-th largest score of expert e
-in a micro-batch (exactly C of its tokens clear it), averaged over the step's micro-batches and
-the data-parallel ranks (one all-reduce of N+1 numbers per layer and step when distributed)::
+After every optimizer step (:meth:`Router.after_step`), the step's quantile ``q_N`` joins the
+average (:mod:`remoe.model.routers.thresholds`, shared with ``relu_threshold``): ``q_e`` is the
+midpoint of the C-th and (C+1)-th largest score of expert e in a micro-batch (exactly C of its
+tokens clear it), averaged over the step's micro-batches and the data-parallel ranks (one
+all-reduce of N+1 numbers per layer and step when distributed)::
 
     qbar_N <- q_N                                    at the first update
     qbar_N <- decay * qbar_N + (1 - decay) * q_N     after it
