@@ -31,7 +31,9 @@ Without a penalty the LM gradient moves each expert's logits as a whole, and the
 integrator lags such a drift by ``drift / rate`` (it ran too dense over a long run,
 docs/ROUTERS.md); the quantile moves with the logits, and the correction is left with the
 one-step lag only. Its state (``quantile_N``, ``correction_N``, ``threshold_updates``) exists
-only under this rule, so the default router's state dict is unchanged.
+only under this rule, so the default router's state dict is unchanged. Measured: it holds the
+density but trains badly (without the L1 term the gates grow large; docs/ROUTERS.md), so it is
+an option kept with its negative result, not a recommendation.
 
 Why this rule (docs/ROUTERS.md): proportional to the error, it rests at the target (the sign
 rule of ``topk_auxfree`` never does: it moves +-rate every step, a limit cycle whose amplitude
