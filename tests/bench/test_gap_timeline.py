@@ -1,7 +1,6 @@
 """scripts/gap_timeline.py: a run's loss gap to a reference over windows, and its phases."""
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,13 +9,6 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gap_timeline.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gap_timeline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(root: Path, name: str, lm, penalty, lam, evals=()):
@@ -30,14 +22,14 @@ def _run(root: Path, name: str, lm, penalty, lam, evals=()):
                                           for s, v in evals))
 
 
-def test_windows_and_phases_measure_the_gap_and_the_penalty(tmp_path):
+def test_windows_and_phases_measure_the_gap_and_the_penalty(tmp_path, load_script):
     # 8 steps, windows of 2: the run trails by 0.1 in steps 3-4, by 0.3 in steps 7-8
     ref = [5.0] * 8
     run = [5.0, 5.0, 5.1, 5.1, 5.2, 5.2, 5.3, 5.3]
     pen = [0.0, 0.0, 0.1, 0.1, 0.0, 0.0, 0.7, 0.7]
     _run(tmp_path, "a-s0", run, pen, [1, 1, 2, 2, 3, 3, 8, 8], evals=[(4, 4.5), (8, 4.0)])
     _run(tmp_path, "b-s0", ref, [0.0] * 8, [0] * 8, evals=[(4, 4.4), (8, 3.5)])
-    mod = _module()
+    mod = load_script("gap_timeline")
     r = mod.timeline(tmp_path / "runs", "a-s0", "b-s0", 2)
     assert [w["steps"] for w in r["windows"]] == [[1, 2], [3, 4], [5, 6], [7, 8]]
     assert [round(w["train_lm_gap"], 6) for w in r["windows"]] == [0.0, 0.1, 0.2, 0.3]

@@ -1,6 +1,5 @@
 """scripts/layer_floor.py: the floor of an MoE layer step from the library's kernels."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,15 +10,9 @@ from remoe.lab.bench.layer import LayerCase
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "layer_floor.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("layer_floor", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_floor_is_the_sum_of_its_pieces_relative_to_dense():
-    r = _module().measure(LayerCase(T=128, d_model=32, d_ffn=64, E=4, G=2), reps=1, rounds=1)
+def test_floor_is_the_sum_of_its_pieces_relative_to_dense(load_script):
+    case = LayerCase(T=128, d_model=32, d_ffn=64, E=4, G=2)
+    r = load_script("layer_floor").measure(case, reps=1, rounds=1)
     ms = r["cpu_ms"]
     assert set(ms) == {"dense", "expert_gemms", "gather_scatter", "router"}
     assert all(v > 0 for v in ms.values())
