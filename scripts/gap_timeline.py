@@ -50,7 +50,6 @@ def timeline(runs: Path, a: str, b: str, window: int) -> dict:
     ea, eb = _evals(runs / a), _evals(runs / b)
     by_step_b = {int(r["step"]): r for r in mb}
     rows = []
-    steps = [int(r["step"]) for r in ma]
     for start in range(0, len(ma), window):
         chunk = [r for r in ma[start:start + window] if int(r["step"]) in by_step_b]
         if not chunk:
@@ -67,7 +66,7 @@ def timeline(runs: Path, a: str, b: str, window: int) -> dict:
             "sparsity": statistics.fmean(float(r["sparsity"]) for r in chunk),
             "lr": float(chunk[0]["lr"]),
         })
-    return {"run": a, "reference": b, "window": window, "steps": len(steps), "windows": rows}
+    return {"run": a, "reference": b, "window": window, "steps": len(ma), "windows": rows}
 
 
 def phases(result: dict, early: tuple[int, int], late: tuple[int, int]) -> dict:
