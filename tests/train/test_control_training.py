@@ -1,6 +1,7 @@
 """Sparsity-control options in real training: per-layer lambda, PI rule, revival."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -36,6 +37,11 @@ def test_per_layer_pi_lambdas_follow_each_layers_sparsity(make_overrides, tmp_pa
             a * b for a, b in zip(r["lambda_layers"], r["reg_loss_layers"])) / L)
         assert r["reg_loss"] == pytest.approx(sum(r["reg_loss_layers"]) / L)
         assert r["dead_experts"] == [sum(c == 0 for c in row) for row in r["expert_counts"]]
+        assert r["layer_active_k"] == pytest.approx(  # experts per token, per layer
+            [sum(row) / r["step_tokens"] for row in r["expert_counts"]], rel=1e-12)
+        assert r["effective_experts"] == pytest.approx(  # exp(entropy of the layer's load)
+            [math.exp(-sum(c / sum(row) * math.log(c / sum(row)) for c in row if c))
+             for row in r["expert_counts"]], rel=1e-9)
         for l, s in enumerate(r["layer_sparsity"]):  # the PI rule, layer by layer
             e = ((1 - s) - target_density) / target_density
             p = e if prev[l] is None else prev[l]

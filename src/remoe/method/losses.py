@@ -6,8 +6,10 @@ its routing, and the held-out loss.
 
 ``step_statistics`` turns the routing counts of a step (``active_counts_LN``: tokens routed to
 each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N)`` (paper
-eq. 7), per-layer sparsity, active experts per token and dead experts, with the formulas of
-one forward's ``MoEAux`` (``remoe.model.llama.sparsity_of`` / ``layer_sparsity_of``).
+eq. 7), per-layer sparsity, active experts per token (overall and per layer), effective experts
+and dead (never-firing) experts, with the formulas of one forward's ``MoEAux``
+(``remoe.model.llama.sparsity_of`` / ``layer_sparsity_of``) and of
+:mod:`remoe.method.expertuse`.
 
 Validation / test loss overall and per domain:
 
@@ -21,12 +23,13 @@ mean over all tokens (not the mean of the domain means).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 
+from remoe.method.expertuse import effective_experts_of
 from remoe.model.llama import layer_sparsity_of, sparsity_of
 
 
@@ -123,6 +126,8 @@ class StepStatistics:
     active_k: float  # mean active experts per token and layer
     dead_experts: list[int]  # experts of each MoE layer that received no token
     active_pairs: float  # (token, expert) pairs routed, summed over layers
+    layer_active_k: list[float] = field(default_factory=list)  # experts per token of each layer
+    effective_experts: list[float] = field(default_factory=list)  # exp(entropy of the load)
 
 
 def step_statistics(counts_LN: torch.Tensor, num_tokens: float) -> StepStatistics:
@@ -136,4 +141,6 @@ def step_statistics(counts_LN: torch.Tensor, num_tokens: float) -> StepStatistic
                           layer_sparsity=layer_sparsity_of(counts_LN, num_tokens).tolist(),
                           active_k=active_pairs / (L * num_tokens),
                           dead_experts=(counts_LN == 0).sum(1).tolist(),
-                          active_pairs=active_pairs)
+                          active_pairs=active_pairs,
+                          layer_active_k=(counts_LN.to(torch.float64).sum(1) / num_tokens).tolist(),
+                          effective_experts=effective_experts_of(counts_LN).tolist())

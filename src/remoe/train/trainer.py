@@ -316,6 +316,7 @@ class Trainer:
             "tokens_per_s": tot.tokens / dt, "elapsed_s": self.elapsed, "threads": threads,
             # experts that received no token in this step, per MoE layer
             "dead_experts": stats.dead_experts,
+            "layer_active_k": stats.layer_active_k, "effective_experts": stats.effective_experts,
             **control.record(layer_coeffs, tot.reg_L),
         }
 
