@@ -84,14 +84,15 @@ def test_parquet_missing_column_is_one_line_error(tmp_path):
         prepare(tmp_path, [tmp_path / "b.parquet"])
 
 
-def write_megatron(prefix: Path, docs: list[list[int]]) -> None:
+def write_megatron(prefix: Path, docs: list[list[int]], dtype: str = "<u2") -> None:
     import struct
-    arr = np.concatenate([np.asarray(d, dtype=np.uint16) for d in docs])
+    arr = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]).astype(dtype)
     prefix.with_suffix(".bin").write_bytes(arr.tobytes())
     sizes = np.asarray([len(d) for d in docs], dtype="<i4")
-    ptrs = np.concatenate([[0], np.cumsum(sizes[:-1]) * 2]).astype("<i8")
+    ptrs = np.concatenate([[0], np.cumsum(sizes[:-1]) * arr.itemsize]).astype("<i8")
     bounds = np.arange(len(docs) + 1, dtype="<i8")
-    head = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(docs), len(docs) + 1)
+    code = {"<u2": 8, "<i4": 4}[dtype]  # Megatron-core's dtype codes
+    head = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(docs), len(docs) + 1)
     prefix.with_suffix(".idx").write_bytes(head + sizes.tobytes() + ptrs.tobytes() +
                                            bounds.tobytes())
 

@@ -85,6 +85,30 @@ class DataBundle:
                         "they are not evaluated", split, seq_len + 1, len(missing),
                         len(store.domains), ", ".join(missing))
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the store: recorded when it was built; for a store of an
+        earlier version, the tokenizer's largest or, above it, the in-place datasets' (read)."""
+        recorded = self.manifest["tokens"].get("max_id")
+        if recorded is not None:
+            return int(recorded)
+        import numpy as np
+
+        hi = self.vocab_size - 1
+        for e in self.manifest.get("external", {}).values():
+            ids = np.memmap(e["path"], dtype=np.dtype(e["dtype"]), mode="r")
+            hi = max(hi, int(ids.max())) if ids.size else hi
+        return hi
+
+    def check_vocabulary(self, vocab_size: int, what: str) -> None:
+        """Refuse (one line) a store holding a token id outside ``[0, vocab_size)`` of
+        ``what`` (e.g. ``"model.vocab_size"``): an embedding lookup would fail mid-run."""
+        hi = self.max_token_id
+        if hi >= vocab_size:
+            raise DataError(f"data cache {self.cache_dir}: its tokens go up to id {hi:,}, beyond "
+                            f"{what} ({vocab_size:,} ids): rebuild it with the tokenizer that "
+                            "made its sources (remoe data --tokenizer PATH)")
+
     def eval_batches(self, split: str, seq_len: int, batch_size: int,
                      max_chunks_per_domain: int | None = None) -> Iterator[Batch]:
         """Deterministic batches of ``split`` with every domain represented."""

@@ -115,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "verify", False):
             from pathlib import Path
 
+            from remoe.data.cachelock import locked
             from remoe.data.streambuild import verify_store
 
-            problems = verify_store(Path(cfg.cache_dir))
+            with locked(Path(cfg.cache_dir)):  # not while a build writes it
+                problems = verify_store(Path(cfg.cache_dir))
             for p in problems:
                 print(f"damaged: {p}", file=sys.stderr)
             print(f"verify: {'no problem' if not problems else f'{len(problems)} problem(s)'}",

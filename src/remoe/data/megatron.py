@@ -144,33 +144,23 @@ def read_megatron(prefix: Path, domain: str, number: int = 0) -> Iterator[TokenD
                             (number, i, start))
 
 
-def external_entries(prefixes: list[Path], used: list[int]) -> dict[str, dict]:
+def external_entries(prefixes: list[Path], used: list[int], record: list[dict]
+                     ) -> dict[str, dict]:
     """The manifest's record of the Megatron ``.bin`` files a store reads in place: path,
-    dtype, size, modification time and sha256 (computed once, here)."""
-    from remoe.data._io import sha256_file
-
+    dtype, size, modification time, sha256 and id range, as taken when the build began
+    (:func:`remoe.data.sourcecheck.record_sources`)."""
+    by_path = {e["path"]: e for e in record}
     out = {}
     for n in used:
-        ds = MegatronDataset(prefixes[n])
-        path = Path(f"{prefixes[n]}.bin").resolve()
-        st = path.stat()
-        out[str(n)] = {"path": str(path), "dtype": ds.dtype.name, "bytes": st.st_size,
-                       "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+        e = by_path[str(Path(f"{prefixes[n]}.bin").resolve())]
+        out[str(n)] = {k: e[k] for k in ("path", "dtype", "bytes", "mtime_ns", "sha256",
+                                         "min_id", "max_id")}
     return out
 
 
 def external_problem(entry: dict, *, full: bool) -> str | None:
     """None when the in-place ``.bin`` of ``entry`` is as recorded (size and modification
     time; its sha256 too with ``full``), else why not."""
-    from remoe.data._io import sha256_file
+    from remoe.data.sourcecheck import file_change
 
-    path = Path(entry["path"])
-    if not path.is_file():
-        return f"{path} (read in place) is missing"
-    st = path.stat()
-    if st.st_size != entry["bytes"] or st.st_mtime_ns != entry["mtime_ns"]:
-        return (f"{path} (read in place) changed since the store was built ({st.st_size} bytes, "
-                f"recorded {entry['bytes']})")
-    if full and sha256_file(path) != entry["sha256"]:
-        return f"{path} (read in place) does not match its sha256 (corrupt)"
-    return None
+    return file_change({**entry, "dtype": entry.get("dtype", "")}, full=full)

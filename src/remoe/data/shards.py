@@ -35,6 +35,10 @@ import io
 import json
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -42,6 +46,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from remoe.data._io import atomic_open, atomic_write_bytes
+from remoe.data.errors import DataError
+from remoe.data.leftovers import is_temporary
 
 JOURNAL = "journal.jsonl"
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -141,7 +147,8 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     dtype = np.dtype(job["dtype"])
     eos = int(job["eos_id"])
-    max_id = np.iinfo(dtype).max
+    dtype_max = np.iinfo(dtype).max
+    max_id = -1  # the largest id written (the store records it: training checks its model)
     items = job["items"]
     order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1], i))
     lens: list[int] = []
@@ -176,8 +183,15 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
                                     payload.stop, payload.start, payload.ntok])
                     continue
                 arr = np.asarray(ids if ids is not None else payload, dtype=np.int64)
-                if arr.size and (int(arr.max()) > max_id or int(arr.min()) < 0):
-                    raise ValueError(f"token id {int(arr.max())} does not fit in {dtype}")
+                if arr.size:
+                    hi, lo = int(arr.max()), int(arr.min())
+                    if hi > dtype_max or lo < 0:
+                        raise DataError(
+                            f"document {key}: token id {hi if hi > dtype_max else lo:,} does "
+                            f"not fit the store's {dtype} (the tokenizer's vocabulary is "
+                            f"{job.get('vocab_size', '?')}): give the tokenizer that made "
+                            "the source")
+                    max_id = max(max_id, hi)
                 if not (arr.size and int(arr[-1]) == eos and ids is None):
                     arr = np.append(arr, eos)  # (a prepared Megatron document may end in EOS)
                 data = arr.astype(dtype).tobytes()
@@ -202,7 +216,8 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
     for name, data in blobs.items():
         atomic_write_bytes(out / name, data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    meta = {"unit": job["unit"], "sections": sections, "files": files}
+    meta = {"unit": job["unit"], "sections": sections, "files": files,
+            "max_id": max(max_id, eos)}
     if inplace:
         meta["inplace"] = inplace
     return meta
@@ -214,9 +229,46 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _one_thread() -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process as soon as the process ``parent`` ends, even by ``kill -9``: on Linux
+    the kernel sends SIGKILL (``PR_SET_PDEATHSIG``); elsewhere a thread watches the parent
+    id. A worker that outlived its build would finish its unit and move files into place that
+    no journal line describes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+        if armed:
+            if os.getppid() != parent:  # it died before the signal was armed
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="remoe-parent-watch", daemon=True).start()
+
+
+def _worker_start(parent: int) -> None:
+    die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+def process_pool(workers: int) -> Any:
+    """A pool of ``workers`` spawned processes, each encoding on one thread, each ending with
+    this process."""
+    ctx = multiprocessing.get_context("spawn")
+    return ctx.Pool(workers, initializer=_worker_start, initargs=(os.getpid(),))
 
 
 @contextlib.contextmanager
@@ -262,6 +314,7 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_journal(out_dir)
+    drop_untrusted(out_dir, done)
     metas: dict[int, dict[str, Any]] = {}
     journal = open(out_dir / JOURNAL, "ab")
 
@@ -278,10 +331,23 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
                 _encode_all(units, done, metas, on_unit, record, job_base,
                             lambda job: encoder.submit(encode_unit, job).result, 2)
         else:
-            ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(workers, initializer=_one_thread) as pool:
+            with process_pool(workers) as pool:
                 _encode_all(units, done, metas, on_unit, record, job_base,
                             lambda job: pool.apply_async(encode_unit, (job,)).get, 2 * workers)
+    except BaseException:
+        # the encoders are gone (a pool is terminated on leaving it): remove what the units
+        # in flight wrote or were writing, so a full disk is as it was before they began
+        drop_untrusted(out_dir, {**done, **metas})
+        raise
     finally:
         journal.close()
     return [metas[u] for u in sorted(metas)]
+
+
+def drop_untrusted(out_dir: Path, done: dict[int, dict[str, Any]]) -> None:
+    """Remove every unit file that no complete journal line describes (a unit a killed build
+    was writing, or one a worker left): only journaled units are ever trusted."""
+    keep = {name for meta in done.values() for name in meta["files"]}
+    for p in out_dir.iterdir():
+        if p.name != JOURNAL and p.is_file() and (is_temporary(p.name) or p.name not in keep):
+            p.unlink()

@@ -18,6 +18,7 @@ a complete plan and tokenizer are reused, finished units are not redone (:mod:`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,18 +33,23 @@ from remoe.data._io import atomic_write_json, read_json, sha256_bytes, sha256_fi
 from remoe.data.config import DEFAULT_TOKENIZER_TRAIN_BYTES, DataConfig
 from remoe.data.docstream import stream_documents
 from remoe.data.documents import SPLITS
+from remoe.data.errors import DataError
+from remoe.data.leftovers import discard, sweep
 from remoe.data.manifest import stage_key
 from remoe.data.megatron import external_entries, external_problem, megatron_prefixes
 from remoe.data.plan import build_plan, load_plan
 from remoe.data.shardindex import write_split_index
 from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units, read_journal
 from remoe.data.shardstore import file_problem
+from remoe.data.sourcecheck import (canonical_sources, check_token_ids, record_sources,
+                                    source_changes, source_files)
 from remoe.data.store import token_dtype
 
 STORE_DIR = "store-v2"
 STORE_FORMAT = "remoe-shards/1"
 MIN_FREQUENCY = 2
 TOKENIZER_ALGO = "bytelevel-bpe/1"
+SOURCES_FILE = "sources.json"  # <key16>/: what the build was taken from (remoe.data.sourcecheck)
 
 log = logging.getLogger("remoe.data")
 
@@ -63,13 +69,7 @@ def source_fingerprint(sources: list[str]) -> list[Any]:
                     "\n".join(c.key for c in cands).encode("utf-8"))
                 out.append([src.name, keys])
             continue
-        root = Path(str(spec.path))
-        files = [root] if not root.is_dir() else sorted(
-            p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-        if root.suffix in (".bin", ".idx") or Path(f"{root}.bin").is_file():
-            files = [Path(f"{root.with_suffix('') if root.suffix else root}{x}") for x in
-                     (".bin", ".idx")]
-        out.append([s, [[str(p), st.st_size, st.st_mtime_ns] for p in files
+        out.append([s, [[str(p), st.st_size, st.st_mtime_ns] for p in source_files(s)
                         for st in (p.stat(),)]])
     return out
 
@@ -120,21 +120,30 @@ def rebuild_reason(store: Path, cfg: DataConfig, key: str, fingerprint: list[Any
     for f in _CONFIG_FIELDS:
         if old.get(f) != getattr(cfg, f):
             return f"data.{f} changed ({old.get(f)!r} -> {getattr(cfg, f)!r})"
-    before = {json.dumps(e[0]): e[1] for e in m.get("fingerprint", [])}
-    for name, now in fingerprint:
-        was = before.get(json.dumps(name))
-        if was is not None and was != now:
-            if isinstance(now, list) and isinstance(was, list):
+    why = fingerprint_change(m.get("fingerprint", []), fingerprint)
+    if why is not None:
+        return why
+    if cfg.tokenizer is not None:
+        return f"the tokenizer file {cfg.tokenizer} changed"
+    return "the sources changed"
+
+
+def fingerprint_change(before: list[Any], now: list[Any]) -> str | None:
+    """The first difference between two :func:`source_fingerprint` s, in words (sources
+    missing from ``before`` are not compared: the settings say that)."""
+    was_by_name = {json.dumps(e[0]): e[1] for e in before}
+    for name, files in now:
+        was = was_by_name.get(json.dumps(name))
+        if was is not None and was != files:
+            if isinstance(files, list) and isinstance(was, list):
                 old_files = {f[0]: f[1:] for f in was}
-                for path, size, mtime in now:
+                for path, size, mtime in files:
                     if old_files.get(path) != [size, mtime]:
                         return (f"source file {path} changed (size or modification time)"
                                 if path in old_files else f"source file {path} is new")
                 return f"a file of source {name} was removed"
             return f"the built-in source {name} changed"
-    if cfg.tokenizer is not None:
-        return f"the tokenizer file {cfg.tokenizer} changed"
-    return "the sources changed"
+    return None
 
 
 def finished_manifest(store: Path, key: str | None) -> dict[str, Any] | None:
@@ -216,11 +225,42 @@ def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: C
     return tok
 
 
+def resolved_config(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with its sources and tokenizer spelled absolutely: one file under two spellings
+    (``my.jsonl``, ``/home/me/my.jsonl``) is one source, one key, one store."""
+    tok = None if cfg.tokenizer is None else os.path.abspath(os.path.expanduser(str(cfg.tokenizer)))
+    return dataclasses.replace(cfg, sources=canonical_sources(list(cfg.sources)), tokenizer=tok)
+
+
+def _source_record(root: Path, cfg: DataConfig, vocab: int, cache: Path
+                   ) -> list[dict[str, Any]]:
+    """What the build in ``root`` is taken from (:mod:`remoe.data.sourcecheck`). An interrupted
+    build is resumed only if its sources are what it recorded (read again, in full); otherwise
+    it is discarded whole. Refuses pre-tokenised sources the tokenizer does not fit."""
+    path = root / SOURCES_FILE
+    if root.is_dir():
+        recorded = read_json(path)
+        problems = (source_changes(recorded, list(cfg.sources)) if isinstance(recorded, list)
+                    else ["the interrupted build has no record of its sources"])
+        if not problems:
+            check_token_ids(recorded, cfg.tokenizer, vocab)
+            return recorded
+        log.warning("data cache %s: %s; discarding the interrupted build (plan, tokenizer, "
+                    "units) and starting again", cache, problems[0])
+        discard(root)
+    record = record_sources(list(cfg.sources))
+    check_token_ids(record, cfg.tokenizer, vocab)  # before any other work
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, record)
+    return record
+
+
 def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progress: bool, *,
                 workers: int = 1, shard_bytes: int = DEFAULT_SHARD_BYTES,
                 before_write: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
     """Build (or resume, or reuse) the store of ``cfg``; returns its manifest."""
     store = cache / STORE_DIR
+    cfg = resolved_config(cfg)
     fingerprint = source_fingerprint(list(cfg.sources))  # one stat per source file
     key = build_key(cfg, fingerprint)
     m = finished_manifest(store, key)
@@ -230,14 +270,17 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
     why = rebuild_reason(store, cfg, key, fingerprint)
     if why is not None:
         log.warning("data cache %s: %s; building the sharded store again", cache, why)
+    given_tok = None if cfg.tokenizer is None else _tok.load_tokenizer(Path(cfg.tokenizer))
     before_write("its sharded store")
+    sweep(store)  # what a killed or failed build left (under the lock: nobody else writes)
     root = store / key[:16]
+    record = _source_record(root, cfg, cfg.vocab_size if given_tok is None else
+                            _tok.tokenizer_vocab_size(given_tok), cache)
     if (root / "shard_bytes.json").is_file():
         units = len(read_journal(root / "shards"))
         log.warning("data cache %s: resuming an interrupted build (plan %s, %d unit(s) "
                     "finished)", cache, "done" if load_plan(root) is not None else "to redo",
                     units)
-    root.mkdir(parents=True, exist_ok=True)
     recorded = read_json(root / "shard_bytes.json")  # a resumed build keeps its unit size
     if isinstance(recorded, int) and recorded > 0:
         shard_bytes = recorded
@@ -273,10 +316,21 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
     metas = build_shards(iter_units(_docs(cfg, root), labels, dom_index, shard_bytes,
                                     eos[1] if external else None), shard_dir,
                          {"tokenizer_json": tok.to_str(), "eos_id": eos[1], "dtype": dtype.name,
-                          "out_dir": str(shard_dir), "domains": domains}, workers, on_unit)
+                          "vocab_size": vocab, "out_dir": str(shard_dir), "domains": domains},
+                         workers, on_unit)
+    changed = fingerprint_change(fingerprint, source_fingerprint(list(cfg.sources)))
+    if changed is not None:  # what was read is not what was recorded: never finish a mix
+        discard(root)
+        raise DataError(f"data cache {cache}: {changed} while the store was being built; "
+                        "run the build again once the sources stay as they are")
     splits = {s: write_split_index(root, shard_dir, s, metas, domains, external) for s in SPLITS}
     shards = {name: meta for u in metas for name, meta in u["files"].items()
               if name.endswith(".bin")}
+    used = sorted({n for e in splits.values() for n in e.get("external", ())})
+    ext = external_entries(external, used, record) if used else {}
+    max_id = max([int(u.get("max_id", vocab - 1)) for u in metas] +
+                 [int(e["max_id"]) for e in ext.values() if e["max_id"] is not None],
+                 default=-1)
     m = {"format": STORE_FORMAT, "key": key, "dir": key[:16], "domains": domains,
          "dtype": dtype.name,
          "config": {"sources": list(cfg.sources), "max_bytes_per_domain": cfg.max_bytes_per_domain,
@@ -288,14 +342,13 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                     "sources_missing": plan["sources_missing"], "licences": plan["licences"]},
          "tokenizer": {"sha256": sha256_file(root / "tokenizer.json"),
                        "bytes": (root / "tokenizer.json").stat().st_size,
-                       "source": (f"loaded from {Path(cfg.tokenizer).resolve()}" if cfg.tokenizer
+                       "source": (f"loaded from {cfg.tokenizer}" if cfg.tokenizer
                                   else f"trained (byte-level BPE, vocab {cfg.vocab_size})"),
                        "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
-         "tokens": {"dtype": dtype.name, "splits": splits},
-         "shards": shards, "fingerprint": fingerprint}
-    used = sorted({n for e in splits.values() for n in e.get("external", ())})
-    if used:
-        m["external"] = external_entries(external, used)
+         "tokens": {"dtype": dtype.name, "splits": splits, "max_id": max_id},
+         "shards": shards, "fingerprint": fingerprint, "sources": record}
+    if ext:
+        m["external"] = ext
     atomic_write_json(store / "manifest.json", m)
     for other in store.iterdir():  # earlier builds of other settings
         if other.is_dir() and other.name != root.name:
@@ -305,7 +358,11 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
 
 
 def verify_store(cache: Path) -> list[str]:
-    """Every problem of the finished store in ``cache`` (full sha256 of every file)."""
+    """Every problem of the finished store in ``cache``: the full sha256 of every file of it
+    and of every source file it was built from. A damaged shard is deleted (the next build
+    redoes its unit); a changed source discards the whole build (plan, tokenizer, units,
+    index, held-out copies), so the next build starts again from the sources, never mixing
+    old and new data."""
     store = cache / STORE_DIR
     m = read_json(store / "manifest.json")
     listed = _listed_files(store, m) if isinstance(m, dict) else None
@@ -319,13 +376,17 @@ def verify_store(cache: Path) -> list[str]:
             problems.append(f"{rel}: {p}")
             if rel.startswith("shards/") and (root / rel).is_file():
                 os.unlink(root / rel)  # the next `remoe data` rebuilds that unit
-    for e in m.get("external", {}).values():
-        p = external_problem(e, full=True)
-        if p is not None:
-            problems.append(p)
-    if problems and (store / "manifest.json").is_file():
+    if isinstance(m.get("sources"), list):
+        changed = source_changes(m["sources"], list(m.get("config", {}).get("sources", [])))
+    else:  # a store of an earlier version: only its in-place files were recorded
+        changed = [p for e in m.get("external", {}).values()
+                   if (p := external_problem(e, full=True)) is not None]
+    if (problems or changed) and (store / "manifest.json").is_file():
         os.unlink(store / "manifest.json")
-    return problems
+    if changed:
+        discard(root)
+        changed[-1] += " -- everything built from the sources is discarded and built again"
+    return problems + changed
 
 
 def train_documents(root: Path, domain: str | None = None) -> list:

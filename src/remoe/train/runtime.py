@@ -66,4 +66,8 @@ def prepare_run_data(data_cfg, is_main: bool, progress: bool, barrier):
 
     data = prepare_data(data_cfg, progress=progress) if is_main else None
     barrier()
-    return data if is_main else prepare_data(data_cfg, progress=False)
+    data = data if is_main else prepare_data(data_cfg, progress=False)
+    # the model's vocabulary is >= the tokenizer's (checked where the model is made): a store
+    # with a larger id (a pre-tokenised source of another tokenizer) stops here, not mid-step
+    data.check_vocabulary(data.vocab_size, "the tokenizer's vocabulary")
+    return data
