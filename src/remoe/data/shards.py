@@ -22,7 +22,9 @@ runs beside it and adds a part of one more. Every file
 is written to a temporary name and moved into place, then the unit's line (sections, sizes,
 sha256 of each file) is appended to ``journal.jsonl``: after a kill, the units of complete
 journal lines are skipped (their text is read past, not encoded) and the others are redone
-from scratch, so the result is bit-identical to an uninterrupted build.
+from scratch, so the result is bit-identical to an uninterrupted build. Only journaled units
+are trusted: any other unit file is deleted before encoding starts and after a failure, and
+the workers die with the build (:func:`die_with_parent`), so none writes after it is gone.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Layout (``<cache_dir>/store-v2/``)::
 
     manifest.json                 the finished store: key, config, domains, sizes, file checksums
+    <key16>/sources.json          the sources' files as the build began (:mod:`.sourcecheck`)
     <key16>/plan.labels.u8        one split label per kept document, in stream order
     <key16>/plan.json             per split and domain counts (written when the plan is complete)
     <key16>/tokenizer.json
@@ -13,7 +14,9 @@ Layout (``<cache_dir>/store-v2/``)::
 the sources' *fingerprint* -- (path, size, mtime) of every user file and the candidate list of
 the built-in sources, read without reading the texts. Opening a finished store costs a
 ``stat`` per file, whatever its size. An interrupted build resumes in the same directory:
-a complete plan and tokenizer are reused, finished units are not redone (:mod:`.shards`).
+a complete plan and tokenizer are reused, finished units are not redone (:mod:`.shards`),
+once the sources are read again and found unchanged; a changed source discards the build.
+What a killed build leaves is swept first (:mod:`.leftovers`).
 """
 
 from __future__ import annotations
