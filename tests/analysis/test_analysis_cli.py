@@ -16,7 +16,7 @@ from PIL import Image
 
 from remoe.lab.analysis.cli import parse_items
 from remoe.lab.analysis.flips import flip_series
-from remoe.lab.analysis.runlog import Run
+from remoe.lab.analysis.runlog import Run, load_masks
 from remoe.errors import ConfigError
 
 
@@ -51,7 +51,7 @@ def test_parse_items():
     assert parse_items(["flips", "a", "b"], None) == (("flips",), ["a", "b"])
     assert parse_items(["stages,heatmap", "a"], None) == (("stages", "heatmap"), ["a"])
     assert parse_items(["a"], "flips")[0] == ("flips",)
-    assert len(parse_items(["a"], None)[0]) == 7  # every analysis, gates included
+    assert len(parse_items(["a"], None)[0]) == 8  # every analysis, experts and gates included
     with pytest.raises(ConfigError, match="unknown analysis"):
         parse_items(["a"], "flops")
     with pytest.raises(ConfigError, match="no run"):
@@ -104,6 +104,23 @@ def test_analyze_all(remoe_run, eval_npz, synth, capsys):
     assert top and all(float(t["prob"]) == pytest.approx(int(t["routed"]) / int(t["count"]),
                                                          abs=1e-5) for t in top)
     assert any(t["token"].strip() for t in top)  # decoded with the run's tokenizer.json
+
+    # expert use: balanced counts (32 per expert and step) and the last recorded masks
+    ex = json.loads((out / "expert_use.json").read_text())
+    assert ex["train"]["effective_experts"] == pytest.approx([synth.E] * synth.LAYERS)
+    assert ex["train"]["experts_per_token"] == pytest.approx([1.0] * synth.LAYERS)
+    assert ex["train"]["never_firing"] == [0.0] * synth.LAYERS
+    step, last = Run(remoe_run).mask_files()[-1]
+    m_LTN = load_masks(last)[0]
+    assert ex["calib"]["step"] == step and ex["calib"]["no_expert_share"] == pytest.approx(
+        (~m_LTN.any(2)).mean(1).tolist())
+    assert ex["calib"]["inactive"] == (m_LTN.mean(1) < 0.25 / synth.E).sum(1).tolist()
+    assert "expert use per layer" in printed and "layer 1:" in printed
+    assert hm["inactive_rule"] == "fair" and hm["inactive_threshold"] == pytest.approx(
+        0.25 / synth.E)  # k = 1
+    assert len(hm["no_expert_share_per_layer"]) == synth.LAYERS
+    assert all(0.0 <= v <= 1.0 for v in hm["no_expert_share_per_layer"])
+    assert hm["inactive_per_layer"] and sum(hm["inactive_per_layer"]) == hm["num_inactive"]
 
     for png in ("stages", "sparsity", "layer_sparsity", "flips", "routed_ratio", "specialization",
                 "allocation_tokens", "allocation_domains", "top_tokens_layer0"):

@@ -167,3 +167,27 @@ def test_spearman():
     assert spearman(np.array([1.0, 1.0, 2.0]), np.array([1.0, 2.0, 3.0])) == pytest.approx(
         np.corrcoef([1.5, 1.5, 3.0], [1, 2, 3])[0, 1])
     assert np.isnan(spearman(x[:2], x[:2]))
+
+
+def test_expert_use_per_layer_and_the_inactive_rules(tmp_path):
+    from remoe.errors import ConfigError
+    from remoe.lab.analysis.inactive import inactive_threshold
+
+    # token 0 activates no expert in layer 0 (e < 0) and expert 0 in layer 1
+    s = collect_routing_stats(ToyRouter(), [(torch.tensor([[0, 1, 0], [0, 3, 3]]),
+                                             torch.tensor([0, 1]))], ["A", "B"])
+    assert s.no_expert_DL.tolist() == [[2, 0], [1, 0]]
+    assert s.no_expert_share_L().tolist() == [0.5, 0.0]
+    # layer 0 pairs: expert 0 x3, 1 x2, 2 x2 -> load (3, 2, 2, 0) / 7; layer 1: 0 x3, 1 x1, 3 x2
+    p0, p1 = np.array([3, 2, 2]) / 7, np.array([3, 1, 2]) / 6
+    assert s.effective_experts_L() == pytest.approx([np.exp(-(p0 * np.log(p0)).sum()),
+                                                     np.exp(-(p1 * np.log(p1)).sum())])
+    assert s.never_firing_L().tolist() == [1, 1]
+    # fair share k/E = 1/4: inactive under 1/16 of the tokens; the paper's rule: under 1/64
+    assert s.inactive_threshold() == 1 / 16 and s.inactive_threshold("paper") == 1 / 64
+    assert inactive_threshold(1 / 128) == 1 / 512  # E = 128: a balanced expert is not flagged
+    assert inactive_threshold(1 / 128, "paper") == 1 / 64  # ... by the paper's rule it is
+    with pytest.raises(ConfigError, match=r"inactive_rule='x' must be one of fair, paper"):
+        inactive_threshold(0.25, "x")
+    s.save(tmp_path / "s.npz")  # kept in the cache
+    assert RoutingStats.load(tmp_path / "s.npz").no_expert_DL.tolist() == [[2, 0], [1, 0]]

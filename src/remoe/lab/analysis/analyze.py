@@ -1,7 +1,7 @@
 """The analyses of one run (and comparisons), each writing a PNG plus its numbers (CSV / JSON).
 
 Log-based: ``stages`` (Fig. 4 + settling time), ``sparsity`` (Fig. 3 + Fig. 7d), ``flips``
-(Appendix A). Model-based, all from one pass of the model over evaluation tokens
+(Appendix A), ``experts`` (expert use per layer, :mod:`remoe.lab.analysis.expertuse`). Model-based, all from one pass of the model over evaluation tokens
 (:func:`routing_stats`, cached in ``routing_stats.npz``): ``heatmap`` (Fig. 7b/c),
 ``specialization`` (Fig. 8, App. G), ``allocation`` (Fig. 6, App. H, Table 10); and ``gates``
 (gate scale and the FFN's share of the residual stream, :mod:`remoe.lab.analysis.gates`).
@@ -22,8 +22,9 @@ from typing import Any
 from remoe.lab.analysis.common import (ANALYSES, HOOK_ANALYSES, LOG_ANALYSES, MODEL_ANALYSES,
                                    STATS_FILE, Options, Skip, json_safe, write_csv, write_json)
 from remoe.lab.analysis.gates import analyze_gates
-from remoe.lab.analysis.log_analyses import (analyze_flips, analyze_sparsity, analyze_stages,
-                                         compute_stages, flip_summary, run_flips, sparsity_skip)
+from remoe.lab.analysis.log_analyses import (analyze_expert_use, analyze_flips, analyze_sparsity,
+                                             analyze_stages, compute_stages, flip_summary,
+                                             run_flips, sparsity_skip)
 from remoe.lab.analysis.model_analyses import (analyze_allocation, analyze_heatmap,
                                            analyze_specialization, layers_note, model_key,
                                            routing_stats)
@@ -93,6 +94,8 @@ def analyze(run: Run, out: Path, opts: Options, log=print, reuse: bool = False) 
         attempt("sparsity", analyze_sparsity, run, out, opts)
     if "flips" in opts.what:
         attempt("flips", analyze_flips, run, out, opts, others)
+    if "experts" in opts.what:
+        attempt("experts", analyze_expert_use, run, out, opts)
     if any(w in opts.what for w in MODEL_ANALYSES):
         try:
             stats, names = routing_stats(run, opts, out / STATS_FILE)
@@ -106,7 +109,7 @@ def analyze(run: Run, out: Path, opts: Options, log=print, reuse: bool = False) 
                                  "data_source": stats.meta.get("data_source"),
                                  "model_dir": stats.meta.get("key", {}).get("model_dir")}
             if "heatmap" in opts.what:
-                attempt("heatmap", analyze_heatmap, run, stats, out)
+                attempt("heatmap", analyze_heatmap, run, stats, out, opts.inactive_rule)
             if "specialization" in opts.what:
                 attempt("specialization", analyze_specialization, run, stats, out, opts.layers)
             if "allocation" in opts.what:

@@ -61,6 +61,9 @@ def add_analysis_options(p: argparse.ArgumentParser, checkpoint: bool = True) ->
     g.add_argument("--top-tokens", type=int, default=8, help="tokens listed per expert")
     g.add_argument("--recompute", action="store_true",
                    help="ignore a cached routing_stats.npz")
+    g.add_argument("--inactive-rule", choices=("fair", "paper"), default="fair",
+                   help="inactive expert: below a quarter of its fair share k/E of the tokens "
+                        "(fair, default) or below 1/64 of them (paper, its Fig. 7)")
     g = p.add_argument_group("stages and sparsity")
     g.add_argument("--settle-tol", type=float, default=SETTLE_TOL,
                    help=f"settling band |S - (1-k/E)| <= tol (default {SETTLE_TOL})")
@@ -133,7 +136,8 @@ def options_from_args(args, what: tuple[str, ...], compare: list[str]) -> Option
                    top_tokens=args.top_tokens, settle_tol=args.settle_tol,
                    settle_window=args.settle_window, stage_eps=args.stage_eps,
                    smooth=max(1, args.smooth), skip_steps=args.skip_steps,
-                   recompute=args.recompute, compare=compare)
+                   recompute=args.recompute, compare=compare,
+                   inactive_rule=args.inactive_rule)
 
 
 def run(args) -> int:
@@ -190,7 +194,9 @@ def _print_numbers(r: dict) -> None:
     if hm:
         lines.append(f"mean active experts {_f(hm['mean_active_experts'], '.3f')} (target "
                      f"k*G={hm['target_active']}), "
-                     f"{hm['num_inactive']} inactive experts")
+                     f"{hm['num_inactive']} inactive experts "
+                     f"({hm.get('inactive_rule_text', '< 1/64 of tokens')})")
+    lines += _expert_use_lines(r.get("experts"))
     sc = r.get("specialization")
     if sc:
         lines.append(f"specialisation index {_f(sc['index'])}, domain-expert MI "
@@ -201,3 +207,30 @@ def _print_numbers(r: dict) -> None:
                      f"{_f(al['spearman_freq_active'], '.3f')}")
     for line in lines:
         print("  " + line)
+
+
+def _expert_use_lines(ex: dict | None) -> list[str]:
+    """Expert use per layer (``remoe analyze experts``)."""
+    if not ex:
+        return []
+    train, calib = ex.get("train"), ex.get("calib")
+    head = "expert use per layer:"
+    if train:
+        head += (f" experts/token, effective, never-firing over steps {train['steps'][0]}-"
+                 f"{train['steps'][1]} (last 10%);")
+    if calib:
+        head += (f" no-expert share, inactive ({ex.get('inactive_rule_text')}) on the "
+                 f"calibration masks of step {calib['step']}")
+    lines = [head]
+    for row in ex.get("layers") or []:
+        parts = [f"layer {row['layer']}:"]
+        if train:
+            parts.append(f"{_f(row['experts_per_token'], '.2f')} experts/token, "
+                         f"{_f(row['effective_experts'], '.1f')} effective, "
+                         f"{_f(row['never_firing'], '.1f')} never-firing;")
+        if calib:
+            share = row["no_expert_share"]
+            parts.append(f"no expert {'n/a' if share is None else format(100 * share, '.1f')}%, "
+                         f"{row['inactive']} inactive of {calib['num_experts']}")
+        lines.append("  " + " ".join(parts))
+    return lines

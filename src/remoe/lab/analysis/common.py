@@ -14,7 +14,7 @@ import numpy as np
 
 from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 
-LOG_ANALYSES = ("stages", "sparsity", "flips")
+LOG_ANALYSES = ("stages", "sparsity", "flips", "experts")
 MODEL_ANALYSES = ("heatmap", "specialization", "allocation")
 #: model-based, from a pass of their own (remoe.lab.analysis.gates), not from routing_stats.npz
 HOOK_ANALYSES = ("gates",)
@@ -39,6 +39,7 @@ class Options:
     smooth: int = SMOOTH
     skip_steps: int = 100  # Fig. 3: mean/std exclude the first steps
     recompute: bool = False  # ignore a cached routing_stats.npz
+    inactive_rule: str = "fair"  # remoe.lab.analysis.inactive: fair (default) or paper (1/64)
     compare: list[str] = field(default_factory=list)
 
 

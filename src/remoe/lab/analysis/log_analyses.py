@@ -1,5 +1,6 @@
 """The analyses read from a run's logs: ``stages`` (Fig. 4 + settling time), ``sparsity``
-(Fig. 3 + Fig. 7d) and ``flips`` (Appendix A, from the recorded routing masks)."""
+(Fig. 3 + Fig. 7d), ``flips`` (Appendix A, from the recorded routing masks) and ``experts``
+(expert use per layer, :mod:`remoe.lab.analysis.expertuse`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import numpy as np
 
 from remoe.lab.analysis import plots
 from remoe.lab.analysis.common import Options, Skip, rel_files, write_csv, write_json
+from remoe.lab.analysis.expertuse import layer_rows, run_expert_use
 from remoe.lab.analysis.flips import FlipSeries, flip_series
+from remoe.lab.analysis.inactive import rule_text
 from remoe.lab.analysis.runlog import Run
 from remoe.method.stages import (Stages, band_excursions, centered_mean, detect_stages, log10_span,
                                  mean_std_after)
@@ -146,3 +149,16 @@ def _unique(name: str, taken) -> str:
     while out in taken:
         out, i = f"{name} ({i})", i + 1
     return out
+
+
+def analyze_expert_use(run: Run, out: Path, opts: Options) -> dict[str, Any]:
+    """Per layer: experts per token, effective and never-firing experts (last 10% of the
+    training steps), no-expert share and inactive experts (last calibration masks)."""
+    use = run_expert_use(run, opts.inactive_rule)
+    if use is None:
+        raise Skip(f"no expert counts or routing masks (router={run.router}: not an MoE run?)")
+    rows = layer_rows(use)
+    files = [write_csv(out / "expert_use.csv", rows)]
+    rec = {**use, "inactive_rule_text": rule_text(opts.inactive_rule), "layers": rows}
+    files.append(write_json(out / "expert_use.json", rec))
+    return {**rec, "files": rel_files(files, out)}

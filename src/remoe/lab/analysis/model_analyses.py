@@ -11,7 +11,8 @@ import numpy as np
 
 from remoe.lab.analysis import plots
 from remoe.lab.analysis.common import Options, Skip, json_safe, rel_files, write_csv, write_json
-from remoe.lab.analysis.routing import INACTIVE_RATIO, RoutingStats, collect_routing_stats, spearman
+from remoe.lab.analysis.inactive import rule_text
+from remoe.lab.analysis.routing import RoutingStats, collect_routing_stats, spearman
 from remoe.lab.analysis.runlog import Run
 from remoe.lab.analysis.tokens import TokenNames
 from remoe.errors import ConfigError
@@ -46,7 +47,8 @@ def routing_stats(run: Run, opts: Options, cache: Path | None) -> tuple[RoutingS
             stats = RoutingStats.load(cache)
         except (OSError, ValueError, KeyError):
             stats = None
-        if stats is not None and stats.meta.get("key") == key:
+        if (stats is not None and stats.meta.get("key") == key
+                and stats.no_expert_DL is not None):  # older caches lack it
             return stats, TokenNames(stats.meta.get("tokenizer"))
     model, tok = load_model(model_dir)
     if not model.config.is_moe:
@@ -75,21 +77,28 @@ def _stats_title(run: Run, stats: RoutingStats) -> str:
     return f"{run.name} (router={router}, {stats.num_tokens:,} tokens)"
 
 
-def analyze_heatmap(run: Run, stats: RoutingStats, out: Path) -> dict[str, Any]:
+def analyze_heatmap(run: Run, stats: RoutingStats, out: Path, rule: str = "fair"
+                    ) -> dict[str, Any]:
     ratio = stats.routed_ratio_LN()
-    inactive = stats.inactive_LN()
+    threshold = stats.inactive_threshold(rule)
+    inactive = stats.inactive_LN(rule)
     rows = [{"layer": l, "expert": e, "routed_ratio": ratio[l, e], "inactive": bool(inactive[l, e])}
             for l in range(stats.num_layers) for e in range(stats.num_routed)]
     files = [write_csv(out / "routed_ratio.csv", rows)]
     act = stats.active_experts_L()
-    rec = {"num_tokens": stats.num_tokens, "inactive_threshold": INACTIVE_RATIO,
-           "num_inactive": int(inactive.sum()), "active_experts_per_layer": act,
+    rec = {"num_tokens": stats.num_tokens, "inactive_rule": rule,
+           "inactive_rule_text": rule_text(rule), "inactive_threshold": threshold,
+           "num_inactive": int(inactive.sum()), "inactive_per_layer": inactive.sum(1),
+           "active_experts_per_layer": act,
+           "effective_experts_per_layer": stats.effective_experts_L(),
+           "never_firing_per_layer": stats.never_firing_L(),
+           "no_expert_share_per_layer": stats.no_expert_share_L(),
            "mean_active_experts": float(act.mean()), "target_active": stats.target_active,
            "max_ratio": float(ratio.max()), "min_ratio": float(ratio.min()),
            # load imbalance per layer: max / mean routed ratio (1 = perfectly balanced)
            "imbalance_per_layer": (ratio.max(1) / np.maximum(ratio.mean(1), 1e-12))}
     files.append(write_json(out / "routed_ratio.json", rec))
-    fig = plots.fig_routed_heatmap(ratio, inactive, INACTIVE_RATIO,
+    fig = plots.fig_routed_heatmap(ratio, inactive, threshold,
                                    f"average routed tokens ratio\n{_stats_title(run, stats)}")
     files.append(plots.save_png(fig, out / "routed_ratio.png"))
     return {**rec, "files": rel_files(files, out)}

@@ -140,7 +140,8 @@ FIGURES = [  # (analysis, file, caption)
     ("sparsity", "layer_sparsity.png", "Sparsity of each layer (Fig. 7d)."),
     ("flips", "flips.png", "Flip rate and flip count (Appendix A)."),
     ("heatmap", "routed_ratio.png", "Average routed tokens ratio per layer and expert (Fig. 7b/c);"
-                                    " hatched: inactive experts (< 1/64 of tokens)."),
+                                    " hatched: inactive experts (the rule beside the inactive"
+                                    " count)."),
     ("specialization", "specialization.png", "Routed tokens ratio per domain (Fig. 8)."),
     ("allocation", "allocation_domains.png", "Mean active experts per domain and layer (App. H)."),
     ("allocation", "allocation_tokens.png", "Mean active experts vs token frequency (Fig. 6)."),
@@ -199,7 +200,8 @@ def run_section(run: Run, name: str, anchor: str, res: dict, out: Path) -> str:
     hm = res.get("heatmap")
     if hm:
         facts.append(("mean active experts per token (eval)", fmt(hm["mean_active_experts"])))
-        facts.append(("inactive experts (< 1/64 tokens)", fmt(hm["num_inactive"])))
+        facts.append((f"inactive experts ({hm.get('inactive_rule_text', '< 1/64 of tokens')})",
+                      fmt(hm["num_inactive"])))
     al = res.get("allocation")
     if al and al.get("spearman_freq_active") is not None:
         facts.append(("Spearman(token frequency, active experts)",

@@ -4,7 +4,10 @@
 ``(input_ids, domain_ids)`` and keeps counts only; every analysis is a function of the counts:
 
 * routed-tokens ratio r_{l,e} = #{t : M^l_{t,e} = 1} / T  (Fig. 7b/c); sum_e r_{l,e} is the
-  mean number of active experts per token in layer l;
+  mean number of active experts per token in layer l; an expert is inactive below
+  :func:`remoe.lab.analysis.inactive.inactive_threshold` (default: a quarter of its fair share);
+* expert use per layer: effective experts exp(H(r_l / sum_e r_{l,e})), never-firing experts
+  (r_{l,e} = 0) and the share of tokens with no active expert (:mod:`remoe.method.expertuse`);
 * per domain d: r_{d,l,e} = #{t in d : M^l_{t,e} = 1} / T_d  (Fig. 8) and the mean active
   experts per token a_{d,l} = sum_e r_{d,l,e}  (App. H);
 * per token id v: occurrences c_v and mean active experts over layers
@@ -26,7 +29,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-INACTIVE_RATIO = 1.0 / 64  # Fig. 7: "inactive experts with fewer than 1/64 tokens routed"
+from remoe.lab.analysis.inactive import inactive_threshold
+from remoe.method.expertuse import effective_experts_of
 
 
 @dataclass
@@ -42,6 +46,7 @@ class RoutingStats:
     num_experts: int = 0  # E (N = E * G)
     granularity: int = 1  # G
     meta: dict = field(default_factory=dict)  # checkpoint, data source, ...
+    no_expert_DL: np.ndarray | None = None  # int64 [Dm, L] tokens with no active expert
 
     # -- shapes -----------------------------------------------------------------------------
     @property
@@ -74,8 +79,24 @@ class RoutingStats:
         """Mean number of active experts per token in each layer (= routed ratios summed)."""
         return self.counts_DLN.sum((0, 2)) / max(self.num_tokens, 1)
 
-    def inactive_LN(self, threshold: float = INACTIVE_RATIO) -> np.ndarray:
-        return self.routed_ratio_LN() < threshold
+    def inactive_threshold(self, rule: str = "fair") -> float:
+        return inactive_threshold(self.uniform_ratio, rule)
+
+    def inactive_LN(self, rule: str = "fair") -> np.ndarray:
+        return self.routed_ratio_LN() < self.inactive_threshold(rule)
+
+    # -- expert use (issue 45) ---------------------------------------------------------------
+    def effective_experts_L(self) -> np.ndarray:
+        return effective_experts_of(torch.from_numpy(self.counts_DLN.sum(0))).numpy()
+
+    def never_firing_L(self) -> np.ndarray:
+        return (self.counts_DLN.sum(0) == 0).sum(1)
+
+    def no_expert_share_L(self) -> np.ndarray:
+        """Share of the tokens routed to no expert in each layer (NaN when not collected)."""
+        if self.no_expert_DL is None:
+            return np.full(self.num_layers, np.nan)
+        return self.no_expert_DL.sum(0) / max(self.num_tokens, 1)
 
     # -- Fig. 8 / App. G, H ------------------------------------------------------------------
     def present_domains(self) -> np.ndarray:
@@ -187,6 +208,7 @@ class RoutingStats:
             tmp, tokens_D=self.tokens_D, counts_DLN=self.counts_DLN,
             token_count_V=self.token_count_V, token_active_VL=self.token_active_VL,
             token_expert_VSN=self.token_expert_VSN, kept_layers=np.asarray(self.kept_layers),
+            **({} if self.no_expert_DL is None else {"no_expert_DL": self.no_expert_DL}),
             info=np.asarray(json.dumps({"domains": self.domains, "top_k": self.top_k,
                                         "num_experts": self.num_experts,
                                         "granularity": self.granularity, "meta": self.meta})))
@@ -203,7 +225,8 @@ class RoutingStats:
                        kept_layers=[int(x) for x in z["kept_layers"]], top_k=int(info["top_k"]),
                        num_experts=int(info["num_experts"]),
                        granularity=int(info.get("granularity", 1)),
-                       meta=dict(info.get("meta") or {}))
+                       meta=dict(info.get("meta") or {}),
+                       no_expert_DL=z["no_expert_DL"] if "no_expert_DL" in z.files else None)
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -257,6 +280,7 @@ def collect_routing_stats(model, batches: Iterable, domains: list[str], *,
                    "counts_DLN": torch.zeros(Dm, L, N, dtype=torch.int64),
                    "token_count_V": torch.zeros(V, dtype=torch.int64),
                    "token_active_VL": torch.zeros(V, L, dtype=torch.int64),
+                   "no_expert_DL": torch.zeros(Dm, L, dtype=torch.int64),
                    "token_expert_VSN": torch.zeros(V, len(kept), N, dtype=torch.int32)}
         m_LTN = torch.stack([m.reshape(B * S, -1).cpu() for m in masks]).long()
         tok_T = ids.reshape(-1).cpu().long()
@@ -265,6 +289,7 @@ def collect_routing_stats(model, batches: Iterable, domains: list[str], *,
         acc["counts_DLN"].index_add_(0, dom_T, m_LTN.permute(1, 0, 2))
         acc["token_count_V"] += torch.bincount(tok_T, minlength=V)[:V]
         acc["token_active_VL"].index_add_(0, tok_T, m_LTN.sum(2).T)
+        acc["no_expert_DL"].index_add_(0, dom_T, (m_LTN.sum(2) == 0).long().T)
         if kept:
             acc["token_expert_VSN"].index_add_(0, tok_T, m_LTN[kept].permute(1, 0, 2).int())
         seen += B * S

@@ -9,7 +9,8 @@ For every finished run with an ``init_from.json`` (:mod:`remoe.train.init_from`)
 * ``steps to target``: the first step from which the 5-step mean of the sparsity stays within
   0.02 of the target to the end (:func:`remoe.method.stages.detect_stages`; ``-`` for routers whose
   sparsity is fixed);
-* the final sparsity and the inactive experts on the last recorded masks;
+* the final sparsity and the inactive experts (below a quarter of the fair share k/E of the
+  tokens) on the last recorded masks;
 * ``FLOPs incl. source``: the run's training FLOPs plus those of its sources, recursively,
   the total compute the continued model cost -- what a from-scratch run is matched against.
 """
@@ -56,7 +57,7 @@ def total_flops(spec: StudySpec, name: str, flops_of: Callable[[str], float | No
 def continued_row(run_dir: Path) -> dict[str, Any]:
     """The figures of the module docstring for one finished run directory (or its committed
     copy)."""
-    from remoe.lab.analysis.routing import INACTIVE_RATIO
+    from remoe.lab.analysis.inactive import inactive_threshold
     from remoe.lab.analysis.runlog import Run, load_masks
     from remoe.method.stages import detect_stages
 
@@ -78,10 +79,11 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
         row["first_eval"] = (int(evals[0]["step"]), float(evals[0]["val_loss"]))
         row["val_loss"] = float(evals[-1]["val_loss"])
     masks = run.mask_files()
-    if masks:
+    target = run.target_sparsity
+    if masks and target is not None and target < 1.0:
         masks_LTN = load_masks(masks[-1][1])[0]
         ratio_LN = masks_LTN.mean(axis=1)
-        row["inactive"] = int((ratio_LN < INACTIVE_RATIO).sum())
+        row["inactive"] = int((ratio_LN < inactive_threshold(1.0 - target)).sum())
         row["experts"] = int(ratio_LN.size)
     return row
 
@@ -128,7 +130,8 @@ def markdown_section(spec: StudySpec, rows: list[dict[str, Any]],
     if not body:
         return []
     head = ["run", "from", "LM loss: source's last 20 → first step", "val loss, first eval",
-            "val loss, end", "steps to target (±0.02)", "final sparsity", "inactive experts",
+            "val loss, end", "steps to target (±0.02)", "final sparsity",
+            "inactive experts (< 1/4 fair share)",
             "first λ (rule)", "FLOPs incl. source"]
     return ["## Runs started from other runs' weights", "",
             "Per run with `init_from_run` (definitions: remoe.lab.study.continued). FLOPs incl. "

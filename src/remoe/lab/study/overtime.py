@@ -10,7 +10,8 @@ spans of steps; per span, from ``metrics.jsonl``:
 * ``sparsity`` per layer (mean) and its largest distance from the target;
 * ``dead`` per layer: the mean of ``dead_experts`` (experts of the layer with no token in a
   step);
-* ``inactive``: experts (all layers) under 1/64 of the tokens on the calibration-set masks
+* ``inactive``: experts (all layers) under a quarter of their fair share k/E of the tokens
+  (:func:`remoe.lab.analysis.inactive.inactive_threshold`) on the calibration-set masks
   recorded last in the span (``routing/masks_*.npz``), when masks were recorded.
 
 Dense and fixed-k runs get the rows too (no lambda, sparsity constant), so that dead and
@@ -27,7 +28,7 @@ import numpy as np
 
 def windows(run_dir: Path, n: int = 6) -> list[dict[str, Any]]:
     """Per window of steps: the figures of the module docstring ([] without metrics)."""
-    from remoe.lab.analysis.routing import INACTIVE_RATIO
+    from remoe.lab.analysis.inactive import inactive_threshold
     from remoe.lab.analysis.runlog import Run, load_masks
 
     run = Run(run_dir)
@@ -65,10 +66,11 @@ def windows(run_dir: Path, n: int = 6) -> list[dict[str, Any]]:
         if dead_S.shape[1]:
             row["dead"] = [float(v) for v in np.nanmean(dead_S[sel], axis=0)]
         inside = [(s, p) for s, p in masks if lo < s <= hi or (lo == 0 and s == 0)]
-        if inside and target is not None:
+        if inside and target is not None and target < 1.0:
             try:
                 masks_LTN, _, _ = load_masks(inside[-1][1])
-                row["inactive"] = int((masks_LTN.mean(axis=1) < INACTIVE_RATIO).sum())
+                row["inactive"] = int((masks_LTN.mean(axis=1)
+                                       < inactive_threshold(1.0 - target)).sum())
                 row["inactive_at"] = int(inside[-1][0])
             except (OSError, ValueError, KeyError):
                 pass
@@ -92,7 +94,8 @@ def markdown_section(rows: list[dict[str, Any]], source) -> list[str]:
                      "the objective, per-layer "
                      "sparsity (mean; target " f"{row['target_sparsity']:.3f}" "), dead experts "
                      "per layer (no token in a step; mean), inactive experts of all layers "
-                     "(< 1/64 of the calibration tokens, on the span's last masks). "
+                     "(< 1/4 of the fair share k/E of the calibration tokens, on the span's last "
+                     "masks). "
                      "Definitions: remoe.lab.study.overtime.", ""]
         lines += [f"`{row['name']}`:", "",
                   "| steps | lr | lambda | penalty share | layer sparsity | dead / layer | "

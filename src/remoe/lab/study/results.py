@@ -17,14 +17,16 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
   step, past the settling transient whatever its length): ``lambda_log10_amp_late`` (the same
   span) and ``dead_per_layer_late`` (the mean of ``dead_experts``, the experts of a layer that
   got no token in the step, over those steps and the layers).
-* ``inactive_experts``: experts (over all layers) that received fewer than 1/64 of the tokens
-  (the ``remoe analyze`` definition, :data:`remoe.lab.analysis.routing.INACTIVE_RATIO`), counted on
+* ``inactive_experts``: experts (over all layers) that received fewer than a quarter of their
+  fair share k/E of the tokens (the ``remoe analyze`` default,
+  :func:`remoe.lab.analysis.inactive.inactive_threshold`; ``1/(4E)`` for k = 1), counted on
   the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
   without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
   (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
   ``inactive_floor``: the fewest inactive experts the same routed shares allow whatever the
   balance (:func:`inactive_floor`): a layer whose tokens use ``a`` experts on average has room
-  for at most ``floor(64 a)`` experts at 1/64 of the tokens each.
+  for at most ``floor(a / t)`` experts at the threshold share ``t`` of the tokens each.
+* ``use_*``: expert use per layer (:mod:`remoe.lab.study.expertuse`, the "Expert use" table).
 
 * ``zs:<task column>`` and ``zs:avg``: zero-shot accuracy (%) from ``RUN/eval_results.json``
   (``remoe eval RUN --tasks ...``, which a spec's ``eval:`` section runs on every trained run),
@@ -50,7 +52,7 @@ NUMERIC = [("val_loss", "val loss", ".4f"), ("flops", "train FLOPs", ".3g"),
            ("tokens", "tokens", ".3g"), ("wall_s", "wall s", ".0f")]
 RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOPs to settle", ".3g"),
                 ("layer_dev_max", "max layer dev. from target", ".3f"),
-                ("inactive_experts", "inactive experts", ".1f"),
+                ("inactive_experts", "inactive experts (< 1/4 fair share)", ".1f"),
                 ("inactive_floor", "fewest inactive the layer densities allow", ".1f"),
                 ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f"),
                 ("lambda_log10_amp_late", "lambda log10 amp. (2nd half)", ".2f"),
@@ -88,14 +90,12 @@ def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None,
     return counts_LN / tokens, "expert_counts"
 
 
-def inactive_floor(ratio_LN: np.ndarray, threshold: float | None = None) -> int:
+def inactive_floor(ratio_LN: np.ndarray, threshold: float) -> int:
     """The fewest inactive experts the layers' densities allow: a layer whose token gets
     ``a = sum_e ratio_e`` experts on average can give at most ``floor(a / threshold)`` experts a
     share of ``threshold`` or more each, so at least ``N - floor(a / threshold)`` are inactive
     however evenly its load is spread."""
-    from remoe.lab.analysis.routing import INACTIVE_RATIO
-
-    t = INACTIVE_RATIO if threshold is None else threshold
+    t = threshold
     n = ratio_LN.shape[1]
     # a tiny tolerance: a layer at exactly a = m * t must not lose one to rounding
     fit_L = np.floor(ratio_LN.sum(axis=1) / t + 1e-9)
@@ -121,7 +121,7 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
 
 def run_row(run_dir: Path) -> dict[str, Any]:
     """The numbers of one finished run (see the module docstring)."""
-    from remoe.lab.analysis.routing import INACTIVE_RATIO
+    from remoe.lab.analysis.inactive import inactive_threshold
     from remoe.lab.analysis.runlog import Run
     from remoe.method.stages import detect_stages
 
@@ -139,9 +139,10 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     row["target_sparsity"] = target
     ratio_LN, source = routed_ratio(run, target)
     if ratio_LN is not None:
-        row.update(inactive_experts=int((ratio_LN < INACTIVE_RATIO).sum()),
+        threshold = inactive_threshold(1.0 - target)
+        row.update(inactive_experts=int((ratio_LN < threshold).sum()),
                    num_experts_total=int(ratio_LN.size), inactive_source=source,
-                   inactive_floor=inactive_floor(ratio_LN))
+                   inactive_floor=inactive_floor(ratio_LN, threshold))
     else:
         row.update(inactive_experts=None, num_experts_total=None, inactive_source=None)
     m = run.metrics
@@ -220,6 +221,7 @@ def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None
     """One row per run of the spec: its identity, its state, and its numbers when finished
     (read from its directory, else from its committed copy)."""
     from remoe.lab.study.archive import run_state
+    from remoe.lab.study.expertuse import expert_use_row
 
     runs_state = (state or {}).get("runs") or {}
     rows = []
@@ -234,6 +236,7 @@ def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None
             row["source"] = str(d)
             row.update(run_row(d))
             row["wall_s"] = st.get("total_wall_s") or run_state(d).get("total_wall_s") or None
+            row.update(expert_use_row(d))
         else:
             row["state"] = st.get("state") if st.get("state") not in (None, "done") else "pending"
         rows.append(row)
@@ -244,6 +247,8 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     keys: list[str] = []
     for row in rows:
         keys += [k for k in row if k not in keys]
+    # the expert-use columns last, whatever row brought them (the others keep their places)
+    keys = [k for k in keys if not k.startswith("use_")] + [k for k in keys if k.startswith("use_")]
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=keys)
@@ -367,7 +372,7 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
     """``results.csv``, ``results.md`` and, where runs have periodic evaluations,
     ``curves.csv`` / ``curves.png`` (:mod:`remoe.lab.study.curves`) into ``out`` and, for a spec
     with ``results:``, the same files into that directory beside the committed runs."""
-    from remoe.lab.study import curves
+    from remoe.lab.study import curves, expertuse
 
     rows = collect(spec, (out / "runs").resolve(), state)
     run_curves, label_curves = curves.collect_curves(rows, lambda row: Path(row["source"]))
@@ -385,6 +390,9 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
         cont = continued.markdown_section(spec, rows, lambda row: Path(row["source"]))
         if cont:
             text += "\n" + "\n".join(cont) + "\n"
+    use = expertuse.markdown_section(aggregate(rows))
+    if use:
+        text += "\n" + "\n".join(use) + "\n"
     csv_path = md = None
     for d in dict.fromkeys([Path(out)] + ([spec.results_dir] if spec.results_dir else [])):
         d.mkdir(parents=True, exist_ok=True)
