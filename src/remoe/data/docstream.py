@@ -26,7 +26,7 @@ from remoe.data.corpus import SourceSpec, budget_order, parse_source
 from remoe.data._io import atomic_open
 from remoe.data.dedup import RecordedFingerprints, ReplayedFingerprints, SeenFingerprints
 from remoe.data.documents import Document
-from remoe.data.userdata import read_user_source
+from remoe.data.userdata import Warn, read_user_source
 
 log = logging.getLogger("remoe.data")
 
@@ -61,7 +61,7 @@ class StreamBudget:
 
 
 def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str],
-                  found: dict[str, list]) -> list[Document]:
+                  found: dict[str, list], warn: Warn) -> list[Document]:
     kept: list[Document] = []
     seen_key: dict[tuple[str, str], int] = {}
     src: BuiltinSource
@@ -71,8 +71,8 @@ def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str]
         seen_sources.add(src.name)
         cands = src.candidates()
         if cands is None:
-            log.warning("built-in source %r (domain %r) not found; install it with: %s "
-                        "-- building without it", src.name, src.domain, src.install)
+            warn("built-in source %r (domain %r) not found; install it with: %s -- building "
+                 "without it", src.name, src.domain, src.install)
             found["missing"].append(src.name)
             continue
         found["used"].append(src.name)
@@ -96,13 +96,14 @@ def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str]
 
 def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: Path,
                      found: dict[str, list] | None = None, *, record: Path | None = None,
-                     replay: Path | None = None) -> Iterator[Document]:
+                     replay: Path | None = None, warn: Warn = log.warning) -> Iterator[Document]:
     """Kept documents of ``sources`` in stream order (see the module docstring).
 
     ``found`` (optional) receives ``used`` / ``missing`` source names and ``licences``.
     ``record``: write the deduplication answers there (atomically, when the stream ends);
     ``replay``: take them from there instead of fingerprinting (:mod:`remoe.data.dedup`).
-    A Megatron indexed dataset yields :class:`~remoe.data.megatron.TokenDocument` s (token
+    ``warn``: how the readers warn (the passes after the first pass a quiet one, so each
+    warning is printed once per build). A Megatron indexed dataset yields :class:`~remoe.data.megatron.TokenDocument` s (token
     ids, no text; no budget or deduplication: they were prepared already).
     """
     found = found if found is not None else {}
@@ -114,7 +115,7 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
             with atomic_open(record) as out:
                 seen = RecordedFingerprints(fingerprints, out)
                 yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
-                                   found)
+                                   found, warn)
         finally:
             fingerprints.close()
             shutil.rmtree(spill_dir, ignore_errors=True)  # the answers are recorded
@@ -122,14 +123,14 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
         seen = ReplayedFingerprints(replay)
         try:
             yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir, seen),
-                               found)
+                               found, warn)
         finally:
             seen.close()
     else:
-        yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir), found)
+        yield from _stream(sources, StreamBudget(max_bytes_per_domain, spill_dir), found, warn)
 
 
-def _stream(sources: list[str], budget: StreamBudget, found: dict[str, list]
+def _stream(sources: list[str], budget: StreamBudget, found: dict[str, list], warn: Warn
             ) -> Iterator[Document]:
     from remoe.data.megatron import is_megatron_spec
 
@@ -139,7 +140,7 @@ def _stream(sources: list[str], budget: StreamBudget, found: dict[str, list]
     n_megatron = 0
     for spec in (parse_source(s) for s in sources):
         if spec.kind == "builtin":
-            yield from _builtin_docs(spec, budget, seen_builtin, found)
+            yield from _builtin_docs(spec, budget, seen_builtin, found, warn)
             continue
         assert spec.path is not None
         if is_megatron_spec(spec):
@@ -156,13 +157,13 @@ def _stream(sources: list[str], budget: StreamBudget, found: dict[str, list]
         root = Path(spec.path).resolve().name
         roots[root] = roots.get(root, 0) + 1
         suffix = f"#{roots[root]}" if roots[root] > 1 else ""
-        for doc in read_user_source(spec.path, spec.domain, dict(spec.options)):
+        for doc in read_user_source(spec.path, spec.domain, dict(spec.options), warn):
             if suffix:
                 doc = Document(doc.domain, doc.key + suffix, doc.text)
             if budget.offer(doc, user=True):
                 yield doc
     if budget.duplicates:
-        log.info("dropped %d exact duplicate documents", budget.duplicates)
+        warn("dropped %d exact duplicate documents", budget.duplicates)
     if budget.too_big_bytes:
         found.setdefault("too_big", []).extend(budget.too_big_bytes)
         found["max_bytes"] = [max_bytes_per_domain]

@@ -193,9 +193,11 @@ DEDUP_FILE = "plan.dedup.u8"  # the plan pass's deduplication answers, replayed 
 
 def _docs(cfg: DataConfig, root: Path, found: dict | None = None, *, plan: bool = False):
     replay = root / DEDUP_FILE
+    # the plan pass reads the sources first and says what it finds; the later passes are quiet
     return stream_documents(list(cfg.sources), cfg.max_bytes_per_domain, root / "dedup", found,
                             record=replay if plan else None,
-                            replay=replay if not plan and replay.is_file() else None)
+                            replay=replay if not plan and replay.is_file() else None,
+                            warn=log.warning if plan else log.debug)
 
 
 def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: Callable,

@@ -20,7 +20,7 @@ import logging
 import os
 import zlib
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 from remoe.data.documents import Document, decode_text, normalize_text
 from remoe.data.errors import DataError, DataNotFoundError
@@ -29,8 +29,15 @@ log = logging.getLogger("remoe.data")
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
+#: Hugging Face ``datasets`` ``save_to_disk`` writes Arrow files, which are not read
+ARROW_HINT = ("Hugging Face datasets' save_to_disk .arrow files are not read: write Parquet "
+              "with dataset.to_parquet('data.parquet') and give that")
 TEXT_SUFFIXES = (".txt",)
 UNKNOWN_DOMAIN = "unknown"
+
+#: how the readers warn: ``log.warning`` when the sources are first read (the plan pass); the
+#: passes that read them again pass a quieter one, so each warning is printed once per build
+Warn = Callable[..., None]
 
 
 def is_data_file(path: Path) -> bool:
@@ -108,7 +115,7 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 
 def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
-               key_prefix: str | None = None) -> Iterator[Document]:
+               key_prefix: str | None = None, warn: Warn = log.warning) -> Iterator[Document]:
     """Documents of a Pile-format JSONL file (optionally zstd/gzip compressed), in file order.
 
     Keys are ``<key_prefix or file name>:<line number>``. Malformed lines are skipped with a
@@ -122,7 +129,9 @@ def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
     name = path.name.lower()
     kind, chunks = (("zstd", _zst_chunks) if name.endswith(".zst") else
                     ("gzip", _gz_chunks) if name.endswith(".gz") else ("jsonl", _plain_chunks))
-    bad = bad_utf8 = lineno = docs = 0
+    bad = bad_utf8 = lineno = docs = empty = odd_meta = 0
+    first_bad_utf8 = 0
+    odd_example = None
     nbytes = 0
     with open(path, "rb") as fh:
         stream = chunks(fh)
@@ -147,6 +156,7 @@ def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     bad_utf8 += 1
+                    first_bad_utf8 = first_bad_utf8 or lineno
                     line = raw.decode("utf-8", errors="replace")
                 line = line.strip()
                 if not line:
@@ -159,21 +169,33 @@ def read_jsonl(path: str | os.PathLike[str], domain: str | None = None,
                 except (ValueError, KeyError, TypeError) as e:
                     bad += 1
                     if bad <= 5:
-                        log.warning("%s:%d: skipping malformed record (%s)", path, lineno, e)
+                        warn("%s:%d: skipping malformed record (%s)", path, lineno, e)
                     continue
                 meta = rec.get("meta") if isinstance(rec, dict) else None
                 set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
+                if meta is not None and not isinstance(meta, dict):
+                    odd_meta += 1
+                    odd_example = odd_example or (lineno, meta)
+                if not text.strip():
+                    empty += 1  # (the stream drops it: an empty document has no tokens)
                 dom = str(set_name) if set_name else (domain or UNKNOWN_DOMAIN)
                 docs += 1
                 yield Document(dom, f"{prefix}:{lineno}", normalize_text(text))
             if buf is None:
                 break
     if bad:
-        log.warning("%s: skipped %d malformed of %d records (%d documents read)", path, bad,
-                    bad + docs, docs)
+        warn("%s: skipped %d malformed of %d records (%d documents read)", path, bad,
+             bad + docs, docs)
+    if empty:
+        warn("%s: dropped %d of %d records whose \"text\" is empty", path, empty, docs)
+    if odd_meta:
+        assert odd_example is not None
+        warn("%s: %d record(s) have a \"meta\" that is not an object (first: line %d, %r), "
+             "so no pile_set_name: they get domain %r", path, odd_meta, odd_example[0],
+             odd_example[1], domain or UNKNOWN_DOMAIN)
     if bad_utf8:
-        log.warning("%s: %d of %d lines were not valid UTF-8 (invalid bytes replaced by U+FFFD)",
-                    path, bad_utf8, lineno)
+        warn("%s: %d of %d lines were not valid UTF-8, first line %d (invalid bytes replaced "
+             "by U+FFFD)", path, bad_utf8, lineno, first_bad_utf8)
 
 
 def text_file_problem(data: bytes) -> str | None:
@@ -195,7 +217,7 @@ def text_file_problem(data: bytes) -> str | None:
 
 
 def read_text_file(path: Path, domain: str | None, key: str,
-                   stats: dict[str, int] | None = None) -> Document:
+                   stats: dict[str, int] | None = None, warn: Warn = log.warning) -> Document:
     """One ``.txt`` document; a binary file raises :class:`DataError`.
 
     ``stats`` counts files read as Latin-1 (``latin1``) and dropped NUL bytes (``nul``).
@@ -214,12 +236,13 @@ def read_text_file(path: Path, domain: str | None, key: str,
         nul = data.count(b"\x00")
         if nul:
             stats["nul"] = stats.get("nul", 0) + nul
-            log.warning("%s: dropped %d NUL bytes", path, nul)
+            warn("%s: dropped %d NUL bytes", path, nul)
     return Document(domain or path.parent.name or UNKNOWN_DOMAIN, key, decode_text(data))
 
 
 def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
-                     options: dict[str, str] | None = None) -> Iterator[Document]:
+                     options: dict[str, str] | None = None, warn: Warn = log.warning
+                     ) -> Iterator[Document]:
     """Documents under ``path`` (a file or a directory walked in sorted order).
 
     Keys are paths relative to the parent of ``path`` (so ``corpus/a/b.txt`` has key
@@ -250,12 +273,14 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
                     # a loop, a dangling link, a FIFO or a device is skipped (and counted)
                     (files if p.is_file() else odd).append(p)
         if odd:
-            log.warning("data source %s: skipped %d entr%s that %s not a readable regular file "
-                        "(a dangling link, a symlink loop, a FIFO or a device), e.g. %s", root,
-                        len(odd), "y" if len(odd) == 1 else "ies",
-                        "is" if len(odd) == 1 else "are", odd[0])
+            warn("data source %s: skipped %d entr%s that %s not a readable regular file "
+                 "(a dangling link, a symlink loop, a FIFO or a device), e.g. %s", root,
+                 len(odd), "y" if len(odd) == 1 else "ies", "is" if len(odd) == 1 else "are",
+                 odd[0])
         if not files:
-            log.warning("data source %s contains no .txt/.jsonl/.jsonl.zst files", root)
+            arrow = next(root.rglob("*.arrow"), None)
+            warn("data source %s contains no .txt/.jsonl/.jsonl.zst/.jsonl.gz/.parquet files%s",
+                 root, f" ({ARROW_HINT})" if arrow is not None else "")
     stats: dict[str, int] = {}
     n_txt = 0
     for p in files:
@@ -264,17 +289,18 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
         rel = (root_resolved.relative_to(base) if p is root else
                Path(root_resolved.name) / p.relative_to(root)).as_posix()
         if p.name.lower().endswith(JSONL_SUFFIXES):
-            yield from read_jsonl(p, domain=domain, key_prefix=rel)
+            yield from read_jsonl(p, domain=domain, key_prefix=rel, warn=warn)
         elif p.name.lower().endswith(PARQUET_SUFFIXES):
             from remoe.data.parquet import read_parquet
 
             yield from read_parquet(p, domain, rel, options or {})
         elif p.name.lower().endswith(TEXT_SUFFIXES):
             n_txt += 1
-            yield read_text_file(p, domain, rel, stats)
+            yield read_text_file(p, domain, rel, stats, warn)
         else:
+            hint = f"; {ARROW_HINT}" if p.name.lower().endswith(".arrow") else ""
             raise DataError(f"unsupported data file {p} (expected .txt, .jsonl, .jsonl.zst, "
-                            ".jsonl.gz)")
+                            f".jsonl.gz or .parquet){hint}")
     if stats.get("latin1"):
-        log.warning("data source %s: %d of %d .txt files are not valid UTF-8 and were read as "
+        warn("data source %s: %d of %d .txt files are not valid UTF-8 and were read as "
                     "Latin-1", root, stats["latin1"], n_txt)
