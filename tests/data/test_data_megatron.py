@@ -61,3 +61,13 @@ def test_a_changed_megatron_file_is_found_before_use(megatron_store):
     with pytest.raises(DataError, match=r"mt\.bin \(read in place\) changed"):
         fresh.read(0, fresh.num_tokens)
     assert any("mt.bin (read in place)" in p for p in verify_store(tmp_path / "cache"))
+
+
+def test_documents_of_a_megatron_store_are_its_decoded_tokens(megatron_store):
+    tmp_path, docs, b = megatron_store
+    for split in ("train", "validation", "test"):
+        st, got = b.split(split), b.documents(split)
+        assert len(got) == st.num_docs > 0
+        for i in (0, st.num_docs - 1):
+            assert got[i].text == b.decode(st.document(i)) and got[i].domain == "web"
+    assert b.documents("validation", domain="other") == []

@@ -7,7 +7,8 @@ The stream of kept documents (with their planned splits) is cut into *units* of 
   (split, domain) in that order, the unit's documents of it in stream order, each + EOS;
 * ``shards/uNNNNNN.lens.npy`` -- ``int64`` token count of each of those documents;
 * ``shards/uNNNNNN.heldout.jsonl`` -- the held-out (validation/test) documents' text, by section
-  (the training text is never copied).
+  (the training text is never copied); a document that came as token ids (Megatron) is
+  decoded with the store's tokenizer (``meta.decoded``).
 
 A Megatron train document that ends with EOS is not copied: consecutive ones form an
 :class:`InPlace` run, recorded in the unit's journal line (``inplace``: label, domain, copied
@@ -205,9 +206,12 @@ def encode_unit(job: dict[str, Any]) -> dict[str, Any]:
                 sec = sections[-1]
                 sec[2] += 1
                 sec[3] += int(arr.size)
-                if label != 0 and isinstance(payload, str):
-                    rec = {"text": payload,
-                           "meta": {"pile_set_name": job["domains"][dom], "key": key}}
+                if label != 0:  # a held-out document's text (token ids: decoded)
+                    meta = {"pile_set_name": job["domains"][dom], "key": key}
+                    if not isinstance(payload, str):
+                        meta["decoded"] = True
+                    rec = {"text": payload if isinstance(payload, str) else
+                           tok.decode(arr[:-1].tolist(), skip_special_tokens=False), "meta": meta}
                     heldout.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
                     sec[5] = heldout.tell() - sec[4]
             pos = end

@@ -396,7 +396,8 @@ def verify_store(cache: Path) -> list[str]:
 
 def train_documents(root: Path, domain: str | None = None) -> list:
     """The train documents of the store in ``root``, read again from the sources (their text
-    is not kept), domain by domain in stream order. The sources must not have changed."""
+    is not kept; token ids are decoded), domain by domain in stream order. The sources must
+    not have changed."""
     from remoe.data.config import DataConfig
     from remoe.data.documents import Document
 
@@ -407,7 +408,15 @@ def train_documents(root: Path, domain: str | None = None) -> list:
     c = m["config"]
     cfg = DataConfig(sources=c["sources"], max_bytes_per_domain=c["max_bytes_per_domain"])
     _, labels = loaded
-    out: list[Document] = [d for i, d in enumerate(_docs(cfg, root)) if labels[i] == 0 and
-                           d.text is not None and (domain is None or d.domain == domain)]
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    out: list[Document] = []
+    for i, d in enumerate(_docs(cfg, root)):
+        if labels[i] != 0 or (domain is not None and d.domain != domain):
+            continue
+        if d.text is None:  # token ids (Megatron): decoded, without a final end-of-text
+            ids = d.ids[:-1] if d.ids.shape[0] and int(d.ids[-1]) == m["tokenizer"]["eos_id"] \
+                else d.ids
+            d = Document(d.domain, d.key, tok.decode(ids.tolist(), skip_special_tokens=False))
+        out.append(d)
     out.sort(key=lambda d: d.domain)  # stable: stream order within a domain
     return out
