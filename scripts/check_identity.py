@@ -7,7 +7,8 @@
 Trains the config for ``--steps`` steps at one thread with the code of BASE_COMMIT (a temporary
 git worktree) and with the working tree, both on this checkout's data cache, then compares every
 metrics.jsonl number except the machine's (tokens/s, elapsed time, threads), eval.jsonl and the
-final weights. Prints the first difference and exits 1 if any; 0 if identical. The paper's
+final weights: the keys both sides have (keys only one side has are listed, not compared).
+Prints the first difference and exits 1 if any; 0 if identical. The paper's
 behaviour is the default and must stay bit for bit what it is: run this before merging a change
 that touches the model, the routers, the losses or the trainer.
 """
@@ -46,6 +47,25 @@ def jsonl(path: Path, drop=()) -> list[dict]:
             for line in path.read_text().splitlines() if line.strip()]
 
 
+def one_sided_keys(ra: list[dict], rb: list[dict]) -> tuple[list[str], list[str]]:
+    """Keys of any line only at the base commit, and only in the working tree."""
+    ka = set().union(*ra) if ra else set()
+    kb = set().union(*rb) if rb else set()
+    return sorted(ka - kb), sorted(kb - ka)
+
+
+def compare_lines(name: str, ra: list[dict], rb: list[dict]) -> list[str]:
+    """The first differing value of a key both lines have (a key only one side has is not a
+    difference: :func:`one_sided_keys` lists them)."""
+    if len(ra) != len(rb):
+        return [f"{name}: {len(ra)} vs {len(rb)} lines"]
+    for x, y in zip(ra, rb):
+        for key in sorted(set(x) & set(y)):
+            if x[key] != y[key]:
+                return [f"{name} step {x.get('step')}: {key} {x[key]!r} != {y[key]!r}"]
+    return []
+
+
 def compare(a: Path, b: Path) -> list[str]:
     from safetensors.torch import load_file
     import torch
@@ -53,18 +73,14 @@ def compare(a: Path, b: Path) -> list[str]:
     problems = []
     for name, drop in (("metrics.jsonl", MACHINE_KEYS), ("eval.jsonl", ())):
         ra, rb = jsonl(a / name, drop), jsonl(b / name, drop)
-        if len(ra) != len(rb):
-            problems.append(f"{name}: {len(ra)} vs {len(rb)} lines")
-        for x, y in zip(ra, rb):
-            for key in sorted(set(x) & set(y)):
-                if x[key] != y[key]:
-                    problems.append(f"{name} step {x.get('step')}: {key} {x[key]!r} != {y[key]!r}")
-                    break
-            if problems:
-                break
-        new = sorted(set(rb[0]) - set(ra[0])) if ra and rb else []
-        if new:
-            print(f"  {name}: keys only in the working tree (not compared): {', '.join(new)}")
+        problems += compare_lines(name, ra, rb)
+        only_a, only_b = one_sided_keys(ra, rb)
+        if only_a:
+            print(f"  {name}: keys only at the base commit (not compared): {', '.join(only_a)}")
+        if only_b:
+            print(f"  {name}: keys only in the working tree (not compared): {', '.join(only_b)}")
+        if problems:
+            break
     wa = load_file(str(a / "final" / "model.safetensors"))
     wb = load_file(str(b / "final" / "model.safetensors"))
     if wa.keys() != wb.keys():
