@@ -271,3 +271,21 @@ def test_tokenizer_sample_is_bounded(tmp_path, txt_corpus, monkeypatch, setting)
     b = prepare_data(_cfg(txt_corpus, tmp_path / "b", **kw), progress=False)
     assert 0 < seen[1] < total / 2 and seen[1] == seen[2]
     assert a.manifest["tokenizer"]["sha256"] == b.manifest["tokenizer"]["sha256"]
+
+
+def test_eval_opens_an_existing_cache_without_preparing_it(small_bundle, monkeypatch, capsys):
+    """`remoe eval` on a run whose cache exists opens it (it looked for a manifest where the
+    store no longer keeps it, said 'no prepared data cache' and prepared it again)."""
+    import remoe.data
+    from remoe.data.pipeline import has_prepared
+    from remoe.eval.cli import _DataCache
+
+    def no_build(*a, **k):
+        raise AssertionError("prepared again")
+
+    monkeypatch.setattr(remoe.data, "prepare_data", no_build)
+    cache = small_bundle.cache_dir
+    assert has_prepared(cache) and not has_prepared(cache / "nothing")
+    got = _DataCache().get(None, {"data": {"cache_dir": str(cache)}}, None)
+    assert got.manifest["key"] == small_bundle.manifest["key"]
+    assert "no prepared data cache" not in capsys.readouterr().err

@@ -39,7 +39,7 @@ from remoe.data.streambuild import (MIN_FREQUENCY, STORE_DIR, TOKENIZER_ALGO, bu
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
     "DataBundle", "LOCK_FILE", "MIN_FREQUENCY", "TOKENIZER_ALGO", "TOKENIZER_FILE",
-    "load_documents", "load_prepared", "prepare_data", "tokens_fingerprint",
+    "has_prepared", "load_documents", "load_prepared", "prepare_data", "tokens_fingerprint",
 ]
 
 log = logging.getLogger("remoe.data")
@@ -122,6 +122,11 @@ def _store_bundle(cache: Path, m: dict[str, Any], seed: int) -> DataBundle:
                       tokenizer_path=root / TOKENIZER_FILE, vocab_size=int(t["vocab_size"]),
                       eos_id=int(t["eos_id"]), eos_token=t["eos_token"],
                       domains=list(m["domains"]), manifest=m, seed=seed, store_root=root)
+
+
+def has_prepared(cache_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``cache_dir`` holds a finished store (its manifest; no file is hashed)."""
+    return finished_manifest(Path(cache_dir) / STORE_DIR, None) is not None
 
 
 def load_prepared(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR, *, verify: bool = True,

@@ -122,6 +122,7 @@ class _DataCache:
         whose cache does not exist any more has it prepared again from its data config.
         """
         from remoe.data import DataConfig, prepare_data
+        from remoe.data.pipeline import has_prepared
 
         if cache_dir is not None:
             return self._open(Path(cache_dir))
@@ -137,7 +138,7 @@ class _DataCache:
             if len(run_dir.resolve().parents) >= depth:
                 candidates.append(run_dir.resolve().parents[depth - 1] / cfg.cache_dir)
         for c in candidates:
-            if (c / "manifest.json").is_file():
+            if has_prepared(c):
                 return self._open(c)
         where = candidates[-1]
         key = str(where.resolve())
