@@ -140,7 +140,9 @@ def test_expert_use_table_sets_topk_beside_relu_with_seed_spread(write_spec, tmp
         m_LTN[:, :, 0] = True  # every token to expert 0
         if relu:  # layer 0: seed 0 leaves 2 of 8 tokens without an expert, seed 1 leaves 4
             m_LTN[0, : 2 + 2 * r.seed, 0] = False
-        write_masks(tmp_path / "out" / "runs" / r.name, 20, list(m_LTN), torch.arange(8))
+        path = write_masks(tmp_path / "out" / "runs" / r.name, 20, list(m_LTN), torch.arange(8))
+        with np.load(path) as z:  # the recorder keeps the share beside the masks
+            assert z["no_expert_share"].tolist() == [(2 + 2 * r.seed) / 8 if relu else 0.0, 0.0]
     _, md, rows = write_results(spec, tmp_path / "out", None)
     text = md.read_text()
     table = text[text.index("## Expert use"):]

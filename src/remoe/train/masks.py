@@ -1,5 +1,7 @@
 """Routing masks recorded during training: the fixed calibration sequences they are taken on,
-and the ``routing/masks_STEP.npz`` files (bit-packed ``[L, T, N]``) ``remoe analyze`` reads."""
+and the ``routing/masks_STEP.npz`` files (bit-packed ``[L, T, N]``) ``remoe analyze`` reads,
+with the share of the calibration tokens routed to no expert in each layer (``no_expert_share``
+``[L]``: the one expert-use number the step's counts cannot give)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from remoe.method.expertuse import no_expert_share_of
 
 
 def calibration_set(data, seq_len: int, calib_tokens: int) -> torch.Tensor | None:
@@ -42,7 +46,8 @@ def write_masks(run_dir: Path, step: int, masks: list[torch.Tensor],
     tmp = out_dir / f".masks_{step:07d}.tmp.npz"
     np.savez_compressed(tmp, masks=np.packbits(masks_LTN, axis=-1),
                         shape=np.array(masks_LTN.shape),
-                        token_ids=token_ids.reshape(-1).numpy(), step=np.array(step))
+                        token_ids=token_ids.reshape(-1).numpy(), step=np.array(step),
+                        no_expert_share=no_expert_share_of(masks_LTN))
     os.replace(tmp, path)
     return path
 
