@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -232,3 +233,19 @@ def test_the_store_records_its_largest_id_and_training_checks_it(tmp_path, monke
     monkeypatch.setattr(remoe.data, "prepare_data", lambda cfg, progress: b)
     with pytest.raises(DataError, match="up to id 300, beyond the tokenizer's vocabulary"):
         prepare_run_data(None, True, False, lambda: None)
+
+
+def test_a_journal_line_cut_short_does_not_swallow_the_next(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl")
+    b = prepare(tmp_path, [src])
+    ref = all_tokens(b)
+    journal = b.store_root / "shards" / "journal.jsonl"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines[:2]) + lines[2][:25])  # killed while writing unit 2's
+    (b.store_root.parent / "manifest.json").unlink()
+    again = prepare(tmp_path, [src])
+    kept = journal.read_bytes().splitlines(keepends=True)
+    assert kept[:2] == lines[:2] and all(json.loads(ln)["unit"] >= 0 for ln in kept)
+    assert len(kept) == len(lines)
+    for s, arr in all_tokens(again).items():
+        assert np.array_equal(arr, ref[s])

@@ -322,6 +322,7 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
     done = read_journal(out_dir)
     drop_untrusted(out_dir, done)
     metas: dict[int, dict[str, Any]] = {}
+    _cut_partial_line(out_dir / JOURNAL)
     journal = open(out_dir / JOURNAL, "ab")
 
     def record(meta: dict[str, Any]) -> None:
@@ -348,6 +349,17 @@ def build_shards(units: Iterator[tuple[int, list]], out_dir: Path, job_base: dic
     finally:
         journal.close()
     return [metas[u] for u in sorted(metas)]
+
+
+def _cut_partial_line(path: Path) -> None:
+    """Drop a last line that a kill or a full disk cut short, so the next line appended
+    starts a line of its own (glued to it, it would be lost too)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "r+b") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def drop_untrusted(out_dir: Path, done: dict[int, dict[str, Any]]) -> None:
