@@ -126,10 +126,10 @@ def eval_steps(n_steps: int, probe_steps: int, evals: int) -> list[int]:
     return sorted(steps)
 
 
-def base_sets(s: Settings, data_dir: str, work_dir: Path) -> list[str]:
+def base_sets(s: Settings, data_dir: str, vocab: int, work_dir: Path) -> list[str]:
     """The experiment overrides every run shares (their order: base < run < ``--set``)."""
     return [f"model.preset={s.preset}", "model.num_experts=8", "model.top_k=1",
-            f"data.cache_dir={data_dir}", f"data.vocab_size={gpu_data.STUDY_DATA['vocab_size']}",
+            f"data.cache_dir={data_dir}", f"data.vocab_size={vocab}",
             f"train.device={s.device}", f"train.precision={s.precision}",
             f"train.compile={str(s.compile).lower()}", f"train.seq_len={s.seq_len}",
             f"train.micro_batch_size={s.micro_batch}", f"train.grad_accum={s.grad_accum}",
@@ -216,7 +216,8 @@ class Study:
         torch = _torch()
         if self.s.compile:
             torch._dynamo.reset()  # each run compiles its own model; no stale cache entries
-        sets = base_sets(self.s, str(self.bundle.cache_dir), self.work_dir) + list(spec.sets) \
+        sets = base_sets(self.s, str(self.bundle.cache_dir), self.bundle.vocab_size,
+                         self.work_dir) + list(spec.sets) \
             + [f"run.name={spec.name}", f"train.max_steps={self.n_steps or 10**9}"] \
             + list(self.s.extra)
         row = self.rows[spec.name] = {"label": spec.label, "state": "starting",
@@ -277,6 +278,7 @@ class Study:
                      f"parameters ({rec['model']['params_active'] / 1e6:.1f}M active), vocabulary "
                      f"{model_cfg.vocab_size} (BPE {self.bundle.vocab_size})")
         rec["state"] = row["state"] = "running"
+        rec["whole_validation"] = None
         last_eval_step = 0
         while self.n_steps is None or t.step < self.n_steps:
             if self.now() > s.deadline_s:
