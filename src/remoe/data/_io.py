@@ -44,6 +44,22 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def file_change(entry: dict[str, Any], *, full: bool) -> str | None:
+    """None when the file of ``entry`` is as recorded (size and modification time; its sha256
+    too with ``full``), else why not, in words naming it."""
+    path = Path(entry["path"])
+    what = f"source file {path}{' (read in place)' if 'dtype' in entry else ''}"
+    if not path.is_file():
+        return f"{what} is missing"
+    st = path.stat()
+    if st.st_size != entry["bytes"] or st.st_mtime_ns != entry["mtime_ns"]:
+        return (f"{what} changed since the store was built ({st.st_size} bytes, recorded "
+                f"{entry['bytes']}; or its modification time)")
+    if full and sha256_file(path) != entry["sha256"]:
+        return f"{what} does not match its sha256: its content changed since the store was built"
+    return None
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

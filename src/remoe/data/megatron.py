@@ -161,6 +161,6 @@ def external_entries(prefixes: list[Path], used: list[int], record: list[dict]
 def external_problem(entry: dict, *, full: bool) -> str | None:
     """None when the in-place ``.bin`` of ``entry`` is as recorded (size and modification
     time; its sha256 too with ``full``), else why not."""
-    from remoe.data.sourcecheck import file_change
+    from remoe.data._io import file_change
 
     return file_change({**entry, "dtype": entry.get("dtype", "")}, full=full)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from remoe.data._io import file_change
 from remoe.data.errors import DataError
 
 _READ_BYTES = 1 << 24  # 16 MiB per read when hashing
@@ -109,22 +110,6 @@ def record_sources(sources: list[str]) -> list[dict[str, Any]]:
                      else None)
             out.append({"source": spec, **_read_file(path, dtype)})
     return out
-
-
-def file_change(entry: dict[str, Any], *, full: bool) -> str | None:
-    """None when the file of ``entry`` is as recorded (size and modification time; its sha256
-    too with ``full``), else why not, in words naming it."""
-    path = Path(entry["path"])
-    what = f"source file {path}{' (read in place)' if 'dtype' in entry else ''}"
-    if not path.is_file():
-        return f"{what} is missing"
-    st = path.stat()
-    if st.st_size != entry["bytes"] or st.st_mtime_ns != entry["mtime_ns"]:
-        return (f"{what} changed since the store was built ({st.st_size} bytes, recorded "
-                f"{entry['bytes']}; or its modification time)")
-    if full and _read_file(path, None)["sha256"] != entry["sha256"]:
-        return f"{what} does not match its sha256: its content changed since the store was built"
-    return None
 
 
 def source_changes(record: list[dict[str, Any]], sources: list[str], *, full: bool = True
