@@ -153,7 +153,8 @@ def test_leftovers_of_a_killed_build_are_swept(tmp_path):
     root = b.store_root
     (root.parent / "manifest.json").unlink()  # killed before its end
     stray = [root / ".plan.labels.u8.abc.tmp", root / ".plan.dedup.u8.abc.tmp",
-             root / "shards" / ".u000001.bin.xyz.tmp", root / "index" / ".train.doc_offsets.npy.tmp",
+             root / "shards" / ".u000001.bin.xyz.tmp",
+             root / "index" / ".train.doc_offsets.npy.tmp",
              root / "dedup" / "run00000.u64", root.parent / ".discard-0123-99" / "plan.json"]
     for p in stray:
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -103,8 +103,9 @@ def stream_documents(sources: list[str], max_bytes_per_domain: int, spill_dir: P
     ``record``: write the deduplication answers there (atomically, when the stream ends);
     ``replay``: take them from there instead of fingerprinting (:mod:`remoe.data.dedup`).
     ``warn``: how the readers warn (the passes after the first pass a quiet one, so each
-    warning is printed once per build). A Megatron indexed dataset yields :class:`~remoe.data.megatron.TokenDocument` s (token
-    ids, no text; no budget or deduplication: they were prepared already).
+    warning is printed once per build). A Megatron indexed dataset yields
+    :class:`~remoe.data.megatron.TokenDocument` s (token ids, no text; no budget or
+    deduplication: they were prepared already).
     """
     found = found if found is not None else {}
     for k in ("used", "missing", "licences"):
