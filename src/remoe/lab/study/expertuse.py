@@ -9,7 +9,7 @@ the seeds of each (group, label), every routed run (TopK beside ReMoE) in spec o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: (results.csv column, source key in remoe.lab.analysis.expertuse, table header, format)
 COLUMNS = [("use_experts_per_token", "experts_per_token", "experts / token", ".2f"),
@@ -48,11 +48,11 @@ def _per_layer(text: Any) -> list[float] | None:
     return [float(x) for x in text.split("/")]
 
 
-def markdown_section(entries: list[dict[str, Any]]) -> list[str]:
-    """The table over ``entries`` (:func:`remoe.lab.study.results.aggregate`); [] when no run
-    has expert-use columns."""
-    from remoe.lab.study.results import _md_table, fmt_mean_std
-
+def markdown_section(entries: list[dict[str, Any]],
+                     fmt_mean_std: Callable[[list[Any], str], str]) -> list[str]:
+    """The table over ``entries`` (:func:`remoe.lab.study.results.aggregate`), cells by
+    ``fmt_mean_std(values, format)`` (the study tables' mean ± std); [] when no run has
+    expert-use columns."""
     labels = [e["label"] for e in entries]
     body = []
     for e in entries:
@@ -74,6 +74,8 @@ def markdown_section(entries: list[dict[str, Any]]) -> list[str]:
     if not body:
         return []
     head = ["run", "n", "layer"] + [h for _, _, h, _ in COLUMNS] + ["masks"]
+    table = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    table += ["| " + " | ".join(r) + " |" for r in body]
     return (["## Expert use", "",
              "Per MoE layer, mean ± std over seeds. Experts per token, effective experts (exp of "
              "the entropy of the layer's load) and never-firing experts (no token in the step): "
@@ -81,4 +83,4 @@ def markdown_section(entries: list[dict[str, Any]]) -> list[str]:
              "`expert_counts`). No-expert share (tokens routed to no expert) and inactive "
              "experts (fewer than a quarter of the fair share k/E of the tokens) on the last "
              "recorded calibration masks. Definitions: docs/STUDY.md.", ""]
-            + _md_table(head, body) + [""])
+            + table + [""])

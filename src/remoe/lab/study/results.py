@@ -390,7 +390,7 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
         cont = continued.markdown_section(spec, rows, lambda row: Path(row["source"]))
         if cont:
             text += "\n" + "\n".join(cont) + "\n"
-    use = expertuse.markdown_section(aggregate(rows))
+    use = expertuse.markdown_section(aggregate(rows), fmt_mean_std)
     if use:
         text += "\n" + "\n".join(use) + "\n"
     csv_path = md = None
