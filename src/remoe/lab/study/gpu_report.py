@@ -143,17 +143,18 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         state = r["state"] + (f" ({r['cut']})" if r.get("cut") else "") + (
             f" ({r['error'][:80]})" if r.get("error") else "")
         lines.append(
-            f"| {rec.get('label', name)} | {state} | {_f(r['steps'], ',')} | {_f(r['tokens'], ',')} "
-            f"| {_f(r['flops'], '.3g')} | {_f(r['tokens_per_s'], ',.0f')} | {_f(r['val_loss'], '.4f')} "
+            f"| {rec.get('label', name)} | {state} | {_f(r['steps'], ',')} "
+            f"| {_f(r['tokens'], ',')} | {_f(r['flops'], '.3g')} "
+            f"| {_f(r['tokens_per_s'], ',.0f')} | {_f(r['val_loss'], '.4f')} "
             f"| {_f(r['whole_val_loss'], '.4f')} | {_f(at_tok.get(name), '.4f')} "
             f"| {_f(at_flop.get(name), '.4f')} | {_f(r['sparsity_end'], '.3f')} "
             f"({_f(r['target_sparsity'], '.3f')}) | {_f(r['effective_experts_mean'], '.2f')} "
             f"| {_f(r['settling_step'], 'd')} | {_f((r['params_total'] or 0) / 1e6, '.1f')}M / "
             f"{_f((r['params_active'] or 0) / 1e6, '.1f')}M |")
-    for name, (summary_row) in (summary.get("runs") or {}).items():
-        if name not in rows and summary_row.get("state") == "skipped":
-            lines.append(f"| {summary_row.get('label', name)} | skipped: {summary_row.get('reason')} "
-                         "|" + " – |" * 12)
+    for name, row in (summary.get("runs") or {}).items():
+        if name not in rows and row.get("state") == "skipped":
+            lines.append(f"| {row.get('label', name)} | skipped: {row.get('reason')} |"
+                         + " – |" * 12)
     lines += ["", "Per layer at the end of each run (sparsity / effective experts):", ""]
     for name, r in rows.items():
         if r["layer_sparsity_end"]:
@@ -206,8 +207,9 @@ def figure(runs: dict[str, dict[str, Any]]):
     axes[2].set_xlabel("step")
     axes[2].set_ylabel("sparsity (all layers)")
     axes[2].grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    axes[2].legend(fontsize=7)
+    for ax, size in ((axes[0], 8), (axes[2], 7)):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=size)
     fig.suptitle("TopK vs ReMoE, small preset (E=8, k=1): one seed", fontsize=10)
     fig.tight_layout()
     return fig

@@ -214,8 +214,6 @@ class Study:
         from remoe.train.trainer import Trainer
 
         torch = _torch()
-        if self.s.compile:
-            torch._dynamo.reset()  # each run compiles its own model; no stale cache entries
         sets = base_sets(self.s, str(self.bundle.cache_dir), self.bundle.vocab_size,
                          self.work_dir) + list(spec.sets) \
             + [f"run.name={spec.name}", f"train.max_steps={self.n_steps or 10**9}"] \
@@ -241,6 +239,8 @@ class Study:
             if trainer is not None:
                 trainer.close()
             del trainer
+            if self.s.compile:  # the compiled graphs of this run's model go with it
+                torch._dynamo.reset()
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -274,8 +274,9 @@ class Study:
         eval_s: list[float] = []
         at = set(eval_steps(self.n_steps, s.probe_steps, s.evals)) if self.n_steps else set()
         setup_s = self.now() - t_start
-        self.out.log(f"[{spec.name}] built in {setup_s:.1f} s: {rec['model']['params_total'] / 1e6:.1f}M "
-                     f"parameters ({rec['model']['params_active'] / 1e6:.1f}M active), vocabulary "
+        m = rec["model"]
+        self.out.log(f"[{spec.name}] built in {setup_s:.1f} s: {m['params_total'] / 1e6:.1f}M "
+                     f"parameters ({m['params_active'] / 1e6:.1f}M active), vocabulary "
                      f"{model_cfg.vocab_size} (BPE {self.bundle.vocab_size})")
         rec["state"] = row["state"] = "running"
         rec["whole_validation"] = None
@@ -385,7 +386,8 @@ class Study:
                 device=t.device)
         return {"loss": res["loss"], "ppl": res["ppl"], "tokens": res["tokens"],
                 "domains": {d: v["loss"] for d, v in res["domains"].items()},
-                "chunks_per_domain": s.whole_eval_chunks or "all", "eval_s": time.perf_counter() - t0}
+                "chunks_per_domain": s.whole_eval_chunks or "all",
+                "eval_s": time.perf_counter() - t0}
 
     def _write(self, spec, t, rec, row, records, evals, intervals, ends, eval_s, setup_s,
                final: bool = False) -> None:
@@ -563,7 +565,8 @@ def _study(args: argparse.Namespace) -> int:
 
     cuda = torch.cuda.is_available()
     s = resolve(args, cuda)
-    out = gpu_record.Output(args.out_dir or Path(os.environ.get("OUT") or "bench_results/gpu_study"))
+    out = gpu_record.Output(args.out_dir
+                            or Path(os.environ.get("OUT") or "bench_results/gpu_study"))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="remoe-gpu-study-"))
     try:
         if not cuda:
