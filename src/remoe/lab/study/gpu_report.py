@@ -210,7 +210,8 @@ def figure(runs: dict[str, dict[str, Any]]):
     for ax, size in ((axes[0], 8), (axes[2], 7)):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=size)
-    fig.suptitle("TopK vs ReMoE, small preset (E=8, k=1): one seed", fontsize=10)
+    presets = sorted({(r.get("model") or {}).get("preset") or "?" for r in runs.values()})
+    fig.suptitle(f"TopK vs ReMoE, {'/'.join(presets)} preset (E=8, k=1): one seed", fontsize=10)
     fig.tight_layout()
     return fig
 
