@@ -86,6 +86,15 @@ class TrainConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    # AdamW's implementation: auto (foreach on CUDA, the single-tensor loop on CPU) | foreach |
+    # fused (one kernel per parameter group; CUDA and CPU) | single (docs/SCALING.md)
+    adamw_impl: str = "auto"
+    # tokens per chunk of the LM head + cross-entropy in training (0: the whole micro-batch at
+    # once); chunked, each chunk's logits are recomputed in backward, so the fp32 logits of the
+    # micro-batch never exist at once (remoe.model.llama.chunked_lm_loss)
+    loss_chunk_tokens: int = 0
+    # copy each micro-batch to the GPU from pinned host memory, asynchronously (CUDA only)
+    pin_memory: bool = False
     eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_chunks_per_domain: int = 8
     eval_batch_size: int = 8
@@ -114,7 +123,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder block (remoe.train.compile); off: eager
     # the device path's plan for data-dependent routing (ReLU): exact (nonzero, one host sync
     # per MoE layer; the faster one measured on an H200) | static (padded to a static capacity:
-    # no sync, but the padding rows' work and memory; docs/SCALING.md)
+    # no sync, but the padding rows' work and memory; docs/SCALING.md) | capacity (padded to a
+    # capacity from the previous steps' counts: no sync, one graph per compiled block, a step
+    # whose pairs do not fit redone; remoe.train.compile.CapacityPlan)
     dispatch_plan: str = "exact"
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
@@ -160,8 +171,16 @@ class TrainConfig:
         _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
                f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
-        _check(self.dispatch_plan in ("exact", "static"),
-               f"train.dispatch_plan={self.dispatch_plan!r} must be exact or static")
+        _check(self.dispatch_plan in ("exact", "static", "capacity"),
+               f"train.dispatch_plan={self.dispatch_plan!r} must be exact, static or capacity")
+        _check(self.adamw_impl in ("auto", "foreach", "fused", "single"),
+               f"train.adamw_impl={self.adamw_impl!r} must be auto, foreach, fused or single")
+        _check(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens,
+                                                                          bool)
+               and self.loss_chunk_tokens >= 0,
+               f"train.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0")
+        _check(isinstance(self.pin_memory, bool),
+               f"train.pin_memory={self.pin_memory!r} must be true or false")
         _check(self.keep_optimizer in ("all", "newest"),
                f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
         _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),

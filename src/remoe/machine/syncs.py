@@ -59,7 +59,10 @@ SYNC_OPS = {
 _REPEAT_INTERLEAVE = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
 _BOOL_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                aten._index_put_impl_.default}
-_HOST_FACTORIES = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# tensors made from Python values: torch.tensor(...), and the 0-d tensor a Python scalar becomes
+# in an op such as torch.where(c, x, 0.0)
+_HOST_FACTORIES = {aten.lift_fresh.default, aten.lift_fresh_copy.default,
+                   aten.scalar_tensor.default}
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,24 @@ class Dispatch:
     #: ``counts_N.sum()`` rows, the real pairs; the rest are padding rows that point at
     #: (token 0, expert 0) and must be masked (:func:`mask_padding`). None: no padding.
     valid_P: Tensor | None = None
+    #: int64 [N] of a padded plan: the rows each expert holds in it -- ``counts_N`` unless the
+    #: capacity cut the pairs of the last experts (then they sum to the capacity). What the
+    #: expert GEMMs read; None: ``counts_N``
+    rows_N: Tensor | None = None
+    #: 0-d float of a padded plan: 1 when its pairs did not fit the capacity (then the plan
+    #: holds the first ``capacity`` pairs and the layer's output is not exact), else 0
+    overflow: Tensor | None = None
     #: per-plan cache of the fused CPU kernel's row layouts (remoe.model.fused_cpu)
     _layouts: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_pairs(self) -> int:
         return self.token_idx_P.numel()
+
+    @property
+    def row_counts_N(self) -> Tensor:
+        """Rows per expert in the plan's layout (what grouped GEMMs take as group sizes)."""
+        return self.counts_N if self.rows_N is None else self.rows_N
 
 
 def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None = None,
@@ -49,10 +61,12 @@ def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None =
 
     * ``num_pairs`` known on the host (fixed-k routers: ``Routing.num_pairs``):
       ``nonzero_static`` of exactly that size, counts by a column sum;
-    * else with ``capacity`` (a static bound on the pairs, e.g. ``T * N``): a *padded* plan of
-      ``capacity`` rows -- the real pairs first, then padding rows at (token 0, expert 0) --
-      with ``valid_P`` marking the real ones. Its shapes depend on T alone, so a compiled
-      block does not recompile when the routing changes;
+    * else with ``capacity`` (a bound on the pairs: ``T * N``, or a smaller one from the previous
+      step's counts): a *padded* plan of ``capacity`` rows -- the real pairs first, then
+      padding rows at (token 0, expert 0) -- with ``valid_P`` marking the real ones. Its shapes
+      do not depend on the routing, so a compiled block does not recompile when it changes.
+      Pairs past the capacity are cut (``rows_N`` then stops at it, so no GEMM reads past the
+      plan) and ``overflow`` says so: the caller redoes the step with a larger capacity;
     * else ``nonzero`` reads the pair count back: one synchronisation.
 
     ``on_device=False`` (the CPU backends, which need the counts on the host anyway) uses
@@ -69,16 +83,20 @@ def plan(mask_TN: Tensor, num_pairs: int | None = None, on_device: bool | None =
         return Dispatch(token_idx, expert_idx, counts_N)
     mask_NT = mask_TN.t()
     counts_N = mask_TN.sum(0)  # int64 [N] on the device (bincount would read max() back)
-    valid_C = None
+    valid_C = rows_N = overflow = None
     if num_pairs is not None:
         pairs = mask_NT.nonzero_static(size=num_pairs)
     elif capacity is not None:
         pairs = mask_NT.nonzero_static(size=capacity, fill_value=0)
-        valid_C = torch.arange(capacity, device=mask_TN.device) < counts_N.sum()
+        total = counts_N.sum()
+        valid_C = torch.arange(capacity, device=mask_TN.device) < total
+        ends_N = counts_N.cumsum(0).clamp(max=capacity)  # the last experts' rows cut at C
+        rows_N = torch.diff(ends_N, prepend=ends_N.new_zeros(1))
+        overflow = (total > capacity).float()
     else:
         pairs = mask_NT.nonzero()  # [P, 2] as (expert, token), sorted by expert then token
     expert_idx, token_idx = pairs.unbind(1)
-    return Dispatch(token_idx, expert_idx, counts_N, valid_C)
+    return Dispatch(token_idx, expert_idx, counts_N, valid_C, rows_N, overflow)
 
 
 def mask_padding(rows_PK: Tensor, d: Dispatch) -> Tensor:

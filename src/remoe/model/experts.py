@@ -136,7 +136,7 @@ class SwiGLUExperts(nn.Module):
             return swiglu_fused(x_TD, gates_TN, w_in, w_out, plan, recompute=self.recompute)
         # a padded plan (static capacity): its padding rows are zeroed going in and coming out
         x_PD = mask_padding(permute(x_TD, plan), plan)
-        y_PD = self.forward(x_PD, plan.counts_N, backend=backend, weights=(w_in, w_out))
+        y_PD = self.forward(x_PD, plan.row_counts_N, backend=backend, weights=(w_in, w_out))
         return unpermute(mask_padding(y_PD, plan), pair_gates(gates_TN, plan), plan, x_TD.shape[0])
 
     def forward(self, x_PD: Tensor, counts_N: Tensor | None = None, backend: str | None = None,

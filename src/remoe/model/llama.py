@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -44,6 +45,9 @@ class MoEAux:
     num_tokens: int  # T tokens in this forward
     masks: list[Tensor] | None = None  # per MoE layer bool [T, N] when record_masks=True
     reg_losses_L: Tensor | None = None  # [L_moe]: each MoE layer's L_reg term (per-layer lambda)
+    #: MoE layers whose dispatch plan was cut by its capacity (``capacity=``; a 0-d tensor), or
+    #: None when no layer had a capacity: the forward is not exact and its step must be redone
+    overflow: Tensor | None = None
 
     @property
     def num_moe_layers(self) -> int:
@@ -194,16 +198,30 @@ def _left_padding(attention_mask_BP: Tensor | None) -> list[int] | None:
     return attention_mask_BP.long().argmax(-1).tolist()
 
 
-def _block_contexts(ctx: RouterContext, blocks, revive: list | None) -> list[RouterContext]:
-    """Each block's router context: ``ctx``, with ``revive`` (one entry per MoE layer, in
-    order) that layer's ``revive_N``."""
-    if revive is None:
+def _block_contexts(ctx: RouterContext, blocks, revive: list | None,
+                    capacity: list | None = None) -> list[RouterContext]:
+    """Each block's router context: ``ctx``, with ``revive`` and ``capacity`` (one entry per MoE
+    layer each, in order) that layer's ``revive_N`` and ``capacity``."""
+    if revive is None and capacity is None:
         return [ctx] * len(blocks)
     moe = [isinstance(b.ffn, MoELayer) for b in blocks]
-    if len(revive) != sum(moe):
-        raise ValueError(f"revive has {len(revive)} entries for {sum(moe)} MoE layers")
-    rows = iter(revive)
-    return [dataclasses.replace(ctx, revive_N=next(rows)) if m else ctx for m in moe]
+    for name, per_layer in (("revive", revive), ("capacity", capacity)):
+        if per_layer is not None and len(per_layer) != sum(moe):
+            raise ValueError(f"{name} has {len(per_layer)} entries for {sum(moe)} MoE layers")
+    revive_rows = iter(revive) if revive is not None else None
+    caps = iter(capacity) if capacity is not None else None
+    out = []
+    for m in moe:
+        if not m:
+            out.append(ctx)
+            continue
+        fields = {}
+        if revive_rows is not None:
+            fields["revive_N"] = next(revive_rows)
+        if caps is not None:
+            fields["capacity"] = next(caps)
+        out.append(dataclasses.replace(ctx, **fields))
+    return out
 
 
 #: the field of transformers' causal-LM output that holds the KV cache (renamed in 5.24)
@@ -222,6 +240,31 @@ def _check_cache(past_key_values: Any, cache: Any) -> Any:
         raise ValueError(f"{type(past_key_values).__name__} is not supported: remoe models "
                          "decode with a dynamic KV cache only (leave cache_implementation unset)")
     return past_key_values
+
+
+def _lm_loss_sum(h_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> Tensor:
+    return F.cross_entropy(F.linear(h_TD, weight_VD).float(), labels_T, ignore_index=-100,
+                           reduction="sum")
+
+
+def chunked_lm_loss(h_BSD: Tensor, weight_VD: Tensor, labels_BS: Tensor, chunk: int,
+                    num_items: Tensor | int | None = None) -> Tensor:
+    """The causal LM loss of the final hidden states ``h_BSD`` under the LM head ``weight_VD``,
+    ``chunk`` tokens at a time: each chunk's logits are made, reduced to their loss sum and
+    dropped, and made again in backward (activation checkpointing), so the ``[T, V]`` fp32
+    logits never exist at once. The mean over the labels that are not -100 (or the sum over
+    ``num_items``, as transformers' Trainer asks); equal to the unchunked loss up to the order
+    of the sum."""
+    D = h_BSD.shape[-1]
+    h_TD = h_BSD[:, :-1].reshape(-1, D)
+    y_T = labels_BS[:, 1:].reshape(-1)
+    total = h_TD.new_zeros((), dtype=torch.float32)
+    for i in range(0, h_TD.shape[0], chunk):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _lm_loss_sum, h_TD[i:i + chunk], weight_VD, y_T[i:i + chunk], use_reentrant=False)
+    if num_items is not None:
+        return total / num_items
+    return total / (y_T != -100).sum().clamp(min=1)
 
 
 class ReMoEPreTrainedModel(PreTrainedModel):
@@ -311,6 +354,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         train_step: int | None = None,
         record_masks: bool = False,
         revive: list[Tensor | None] | None = None,
+        capacity: list[int] | None = None,
+        loss_chunk_tokens: int = 0,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         cache: DynamicCache | None = None,
@@ -324,6 +369,10 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         inference. ``record_masks``: also return every MoE layer's boolean routing mask.
         ``revive`` (training): per MoE layer, the experts under revival (bool ``[N]`` or None),
         given to its router as ``RouterContext.revive_N`` (remoe.method.sparsity).
+        ``capacity`` (training on a GPU): per MoE layer, the pair capacity of its on-device
+        dispatch plan (``RouterContext.capacity``; remoe.train.compile.CapacityPlan).
+        ``loss_chunk_tokens`` (with ``labels``): the LM head and loss over chunks of this many
+        tokens (:func:`chunked_lm_loss`; ``logits`` is then None); 0: the whole batch.
         The KV cache comes as ``past_key_values=`` (transformers < 5.24) or ``cache=``
         (5.24 on); a dynamic cache only (:func:`_check_cache`).
         ``output_hidden_states``: the embeddings and every block's output, the last one after
@@ -356,7 +405,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         x = self.embed_tokens(input_ids)
         layer_aux: list[LayerAux] = []
         hidden: list[Tensor] = []
-        for block, block_ctx in zip(self.layers, _block_contexts(ctx, self.layers, revive)):
+        for block, block_ctx in zip(self.layers, _block_contexts(ctx, self.layers, revive,
+                                                                      capacity)):
             if output_hidden_states:
                 hidden.append(x)
             x, aux = block(x, cos, sin, attn_mask, cache, block_ctx)
@@ -364,17 +414,20 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         x = self.norm(x)
         if output_hidden_states:
             hidden.append(x)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = self.lm_head(x)
-
-        loss = None
+        loss = logits = None
         num_items = kwargs.get("num_items_in_batch")
-        if labels is not None and num_items is None:
+        if labels is not None and loss_chunk_tokens and not logits_to_keep:
+            loss = chunked_lm_loss(x, self.lm_head.weight, labels, loss_chunk_tokens, num_items)
+        else:
+            if logits_to_keep:
+                x = x[:, -logits_to_keep:]
+            logits = self.lm_head(x)
+        if labels is not None and logits is not None and num_items is None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        elif labels is not None:  # transformers' Trainer: the sum over the tokens of this
-            # micro-batch / the predicted tokens of the whole accumulated batch (all ranks)
+        elif labels is not None and logits is not None:  # transformers' Trainer: the sum over
+            # the tokens of this micro-batch / the predicted tokens of the whole accumulated
+            # batch (all ranks)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100,
                                    reduction="sum") / num_items
@@ -395,7 +448,9 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         aux = torch.stack([a.aux_loss for a in layer_aux]).sum()
         counts = torch.stack([a.active_counts_N for a in routed])
         masks = [a.mask_TN for a in routed] if routed[0].mask_TN is not None else None
-        return MoEAux(reg, aux, counts, T, masks, reg_L)
+        cut = [a.overflow for a in routed if a.overflow is not None]
+        overflow = torch.stack(cut).sum() if cut else None
+        return MoEAux(reg, aux, counts, T, masks, reg_L, overflow)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        active: bool = False) -> int:

@@ -92,6 +92,9 @@ class LayerAux:
     active_counts_N: Tensor  # float [N]: tokens routed to each expert ([0] for dense FFNs)
     num_tokens: int
     mask_TN: Tensor | None = None  # bool [T, N] when ctx.record_masks
+    #: 0-d float, 1 when ``ctx.capacity`` cut the plan's pairs (the output is not exact); None
+    #: when the layer ran without a capacity
+    overflow: Tensor | None = None
 
 
 def _context_for(x: Tensor, ctx: RouterContext | None) -> RouterContext:
@@ -115,7 +118,8 @@ class MoELayer(nn.Module):
     #: data-dependent routing on the device path: False = the exact plan (``nonzero``: one host
     #: sync per call), True = a plan padded to a static capacity (no sync, shapes fixed by T;
     #: the padding rows cost work and memory: 0.61x the exact plan's tokens/s on an H200,
-    #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.compile.set_dispatch_plan)
+    #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.compile.set_dispatch_plan).
+    #: A ``capacity`` in the router context (``train.dispatch_plan=capacity``) overrides both.
     static_plan: bool = False
 
     def __init__(self, cfg: MoEConfig, router_cls: type | None = None) -> None:
@@ -138,8 +142,12 @@ class MoELayer(nn.Module):
         base = base_experts(self.experts)
         on_device = x_TD.device.type != "cpu" or base.resolve_backend(x_TD) == "grouped_mm"
         capacity = None
-        if on_device and r.num_pairs is None and self.static_plan and base.accepts_padded_plan:
-            capacity = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
+        if on_device and r.num_pairs is None and base.accepts_padded_plan:
+            full = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
+            if ctx.capacity is not None:  # a bound from the previous step (CapacityPlan)
+                capacity = torch.sym_min(ctx.capacity, full)
+            elif self.static_plan:
+                capacity = full
         plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device, capacity=capacity)
         # gather -> experts -> gate -> scatter-add (fused on CPU: no [P, D] copies)
         if isinstance(self.experts, SwiGLUExperts):
@@ -149,7 +157,9 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         aux = LayerAux(r.reg_loss, r.aux_loss, plan.counts_N.float(), T,
-                       r.mask_TN if ctx.record_masks else None)
+                       r.mask_TN if ctx.record_masks else None,
+                       None if ctx.capacity is None else
+                       plan.overflow if plan.overflow is not None else r.reg_loss.new_zeros(()))
         return y_TD.view_as(x), aux
 
 

@@ -6,7 +6,9 @@ counts ``[L, N]`` and (per-layer control) each layer's L_reg, as float64 tensors
 device (no collective and no host synchronisation per micro-batch). :meth:`StepSums.reduce`
 packs them into one vector (with the step's gradient norm when given), all-reduces it once and
 copies it to the host once: the step's only device->host synchronisation outside the model
-(counted by ``tests/model/test_syncs.py``).
+(counted by ``tests/model/test_syncs.py``). On the capacity plan (``model(..., capacity=)``)
+the same copy carries the step's overflows (summed over ranks: every rank redoes the step
+together) and, per MoE layer, the most pairs one micro-batch of this rank held.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ class StepTotals:
     counts_LN: torch.Tensor  # [L_moe, N] float64 (host): tokens routed to each expert, all ranks
     reg_L: list[float] | None  # per-layer control: mean of each MoE layer's L_reg
     grad_norm: float | None = None  # the gradient norm handed to reduce() (not summed)
+    #: capacity plan: MoE layers x micro-batches (all ranks) whose plan was cut (0: exact step)
+    overflow: float = 0.0
+    #: capacity plan: per MoE layer, the most pairs one micro-batch of this rank held; else None
+    pairs_max_L: list[float] | None = None
 
 
 class StepSums:
@@ -35,6 +41,8 @@ class StepSums:
         self.sums: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self.reg_L: torch.Tensor | None = None  # sum over micro-batches of each layer's L_reg
+        self.overflow: torch.Tensor | None = None  # capacity plan: cut plans, summed
+        self.pairs_max_L: torch.Tensor | None = None  # capacity plan: max pairs of a micro-batch
 
     def add(self, out, num_tokens: int | None = None) -> None:
         """Add one micro-batch's forward output ``out`` (a ReMoEOutput) of ``num_tokens`` tokens
@@ -56,6 +64,10 @@ class StepSums:
         if self.per_layer:
             r = aux.reg_losses_L.detach().double()
             self.reg_L = r if self.reg_L is None else self.reg_L + r
+        if getattr(aux, "overflow", None) is not None:
+            o, p = aux.overflow.detach().double().reshape(1), c.sum(1)
+            self.overflow = o if self.overflow is None else self.overflow + o
+            self.pairs_max_L = p if self.pairs_max_L is None else torch.maximum(self.pairs_max_L, p)
 
     def reduce(self, device: torch.device | None, distributed: bool,
                grad_norm: torch.Tensor | float | None = None) -> StepTotals:
@@ -67,16 +79,25 @@ class StepSums:
             device = self.sums.device
         counts = self.counts
         reg_L = self.reg_L
+        capacity = self.overflow is not None
         packed = torch.cat([self.sums.to(device), counts.flatten().to(device)]
-                           + ([reg_L.to(device)] if reg_L is not None else []))
+                           + ([reg_L.to(device)] if reg_L is not None else [])
+                           + ([self.overflow.to(device)] if capacity else []))
         if distributed:
             dist.all_reduce(packed)
+        pairs_max_L = overflow = None
+        if capacity:  # this rank's own maxima, after the sum over ranks
+            packed = torch.cat([packed, self.pairs_max_L.to(device)])
         if grad_norm is not None:
             g = torch.as_tensor(grad_norm, dtype=torch.float64)
             packed = torch.cat([packed, g.to(device=device, dtype=torch.float64).reshape(1)])
         packed = packed.cpu()  # the step's one device -> host copy
         if grad_norm is not None:
             packed, grad_norm = packed[:-1], packed[-1].item()
+        if capacity:
+            L = counts.shape[0]
+            pairs_max_L, packed = packed[-L:].tolist(), packed[:-L]
+            overflow, packed = packed[-1].item(), packed[:-1]
         n_micro = packed[4]
         lm, reg, aux = (packed[:3] / n_micro).tolist()
         tokens = packed[3].item()
@@ -84,4 +105,5 @@ class StepSums:
         reg_list = None
         if reg_L is not None:
             reg_list = (packed[5 + counts.numel():] / n_micro).tolist()
-        return StepTotals(lm, reg, aux, tokens, counts_LN, reg_list, grad_norm)
+        return StepTotals(lm, reg, aux, tokens, counts_LN, reg_list, grad_norm,
+                          overflow or 0.0, pairs_max_L)

@@ -3,6 +3,7 @@
     coeffs(), revive_masks()   before the step: the lambda(s) of its loss and the revival input
                                of its forwards (``model(..., revive=)``), from the controller
     add(out)                   each micro-batch: its losses and routing counts (accumulate.py)
+    discard()                  the step is redone (capacity plan overflow): its sums dropped
     reduce(device, ...)        the step's one all-reduce and one copy to the host -> StepTotals
     after_step(totals)         after the optimizer update: the step's statistics
                                (remoe.method.losses), each token router's ``after_step`` (the
@@ -53,6 +54,12 @@ class StepControl:
         if self.sums is None:
             self.sums = StepSums(per_layer=self.coeffs()[1] is not None)
         self.sums.add(out, num_tokens)
+
+    def discard(self) -> None:
+        """Drop the step under way (its sums and the routers' per-step state): it is redone."""
+        self.sums = None
+        for router in self.token_routers:
+            router.discard_step()
 
     @property
     def pending(self) -> bool:

@@ -15,9 +15,18 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN/inf; the last good checkpoint is kept."""
 
 
-def build_optimizer(model: torch.nn.Module, tc, foreach: bool) -> torch.optim.Optimizer:
-    """AdamW with ``tc``'s (``train.*``) hyper-parameters; norms and the routers' weights (whose
-    scale IS the routing) get no weight decay."""
+def adamw_kwargs(impl: str, device_type: str) -> dict:
+    """``train.adamw_impl`` as AdamW keywords: auto = foreach on CUDA, the single-tensor loop on
+    CPU (what remoe always did); fused = one kernel per parameter group."""
+    if impl == "auto":
+        impl = "foreach" if device_type == "cuda" else "single"
+    return {"foreach": impl == "foreach", "fused": True if impl == "fused" else None}
+
+
+def build_optimizer(model: torch.nn.Module, tc, device_type: str) -> torch.optim.Optimizer:
+    """AdamW with ``tc``'s (``train.*``) hyper-parameters and implementation
+    (``train.adamw_impl``, :func:`adamw_kwargs`); norms and the routers' weights (whose scale IS
+    the routing) get no weight decay."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -26,7 +35,7 @@ def build_optimizer(model: torch.nn.Module, tc, foreach: bool) -> torch.optim.Op
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                             foreach=foreach)
+                             **adamw_kwargs(tc.adamw_impl, device_type))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

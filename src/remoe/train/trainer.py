@@ -110,6 +110,9 @@ class Trainer:
         routed = [b.ffn for b in self.model.layers if isinstance(getattr(b.ffn, "router", None),
                                                                    Router)]
         self.token_routers = [f.router for f in routed]
+        # train.dispatch_plan=capacity: each step's plan capacities (None: the layers' own plan)
+        self.capacity = (compiling.CapacityPlan(len(routed))
+                         if tc.dispatch_plan == "capacity" and routed else None)
         # the paper's single lambda by default; per-layer / PI / revival on request
         self.controller = build_controller(self.model_cfg, len(self.token_routers))
         self.control = StepControl(self.controller, self.token_routers,
@@ -189,7 +192,7 @@ class Trainer:
             dist.barrier()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg.train, foreach=self.device.type == "cuda")
+        return build_optimizer(self.model, self.cfg.train, self.device.type)
 
     def _full_experts(self):
         """Collective under EP: all experts gathered into self.model inside (save, counts)."""
@@ -262,7 +265,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         tc = self.cfg.train
-        model, step = self.wrapped, self.step
+        step = self.step
         if self.lr_start is None:
             lr = cosine_lr(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
         else:  # train.init_lr: no warm-up, cosine from the start lr (remoe.train.init_from)
@@ -274,20 +277,22 @@ class Trainer:
         threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
-        for micro in range(tc.grad_accum):
-            input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
-            input_ids = input_ids.to(self.device, non_blocking=True)
-            sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
-            with (nullcontext() if sync else model.no_sync()), self._autocast():
-                out = model(input_ids=input_ids, labels=input_ids, train_step=step,
-                            revive=revive)
-                loss = total_loss(out, coeff, layer_coeffs)
-            (loss / tc.grad_accum).backward()
-            control.add(out, input_ids.numel())
-        # clip first: the norm goes to the host in the same copy as the step's sums, the step's
-        # one host synchronisation outside the model
-        norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        tot = control.reduce(self.device, self.dist.enabled, grad_norm=norm)
+        plan = self.capacity  # train.dispatch_plan=capacity (remoe.train.compile.CapacityPlan)
+        rng = rng_state() if plan is not None else None  # a redone step draws the same numbers
+        caps, attempt = None, 0
+        while True:
+            tot, tokens_micro, caps = self._forward_backward(step, coeff, layer_coeffs, revive, caps)
+            if plan is None or not tot.overflow:
+                break
+            # a plan was cut: drop the step's gradients and sums, redo it with the pairs the
+            # cut step counted (then full), so that the step is the exact plan's
+            attempt += 1
+            caps = plan.refit(tot.pairs_max_L, tokens_micro, attempt)
+            self.optimizer.zero_grad(set_to_none=True)
+            control.discard()
+            set_rng_state(rng)
+        if plan is not None:
+            plan.record(tot.pairs_max_L, tokens_micro)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
         grad_norm = tot.grad_norm
         update(self.optimizer, grad_norm, step, self.ckpt_root)
@@ -318,7 +323,39 @@ class Trainer:
             "dead_experts": stats.dead_experts,
             "layer_active_k": stats.layer_active_k, "effective_experts": stats.effective_experts,
             **control.record(layer_coeffs, tot.reg_L),
+            # capacity plan: each MoE layer's capacity in the step, and whether it was redone
+            **({"plan_capacity": caps, "plan_redone": attempt} if plan is not None else {}),
         }
+
+    def _forward_backward(self, step: int, coeff: float, layer_coeffs, revive, caps):
+        """The step's micro-batches, forward and backward, then clipping and the step's one
+        all-reduce and copy to the host: ``(StepTotals, tokens per micro-batch, capacities)``.
+        ``caps``: each MoE layer's plan capacity (capacity plan; None: the plan's own choice)."""
+        tc = self.cfg.train
+        model, control = self.wrapped, self.control
+        tokens_micro = 0
+        for micro in range(tc.grad_accum):
+            input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
+            if tc.pin_memory and self.device.type == "cuda":
+                input_ids = input_ids.pin_memory()  # then the copy below does not block
+            input_ids = input_ids.to(self.device, non_blocking=True)
+            tokens_micro = input_ids.numel()
+            if self.capacity is not None and caps is None:
+                caps = self.capacity.capacities(tokens_micro)
+            sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
+            extra = {"capacity": caps} if caps is not None else {}
+            if tc.loss_chunk_tokens:
+                extra["loss_chunk_tokens"] = tc.loss_chunk_tokens
+            with (nullcontext() if sync else model.no_sync()), self._autocast():
+                out = model(input_ids=input_ids, labels=input_ids, train_step=step,
+                            revive=revive, **extra)
+                loss = total_loss(out, coeff, layer_coeffs)
+            (loss / tc.grad_accum).backward()
+            control.add(out, input_ids.numel())
+        # clip first: the norm goes to the host in the same copy as the step's sums, the step's
+        # one host synchronisation outside the model
+        norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
+        return control.reduce(self.device, self.dist.enabled, grad_norm=norm), tokens_micro, caps
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:

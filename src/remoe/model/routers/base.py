@@ -27,7 +27,7 @@ class RouterContext:
     ``past_len`` (cached positions before this call's tokens; 0 for a full forward),
     ``pad_left`` (each sequence's left padding in a padded batch, or None), ``revive_N`` (in
     training: this layer's experts under revival, bool ``[N]``, or None; the model's
-    ``revive=`` argument, from the sparsity control).
+    ``revive=`` argument, from the sparsity control), ``capacity`` (see the field).
     """
 
     batch_size: int
@@ -41,6 +41,10 @@ class RouterContext:
     pad_left: list[int] | None = None
     #: experts whose revival hinge is on in this forward (a training input; None: none)
     revive_N: Tensor | None = None
+    #: pairs the on-device dispatch plan of a data-dependent router holds in this forward (a
+    #: bound from the previous step's counts; pairs past it are cut and the layer reports an
+    #: overflow, so the caller redoes the step). None: the layer's plan (exact or static)
+    capacity: int | None = None
 
 
 @dataclass
@@ -120,6 +124,11 @@ class Router(nn.Module):
         routers with non-gradient state (the expert bias of ``topk_auxfree``, the thresholds);
         nothing by default. A subclass that overrides it with the older one-argument
         ``after_step(self, counts_N)`` is adapted when its class is made (the count dropped)."""
+
+    def discard_step(self) -> None:
+        """Forget what this step's training forwards accumulated for :meth:`after_step`: the
+        trainer redoes the step (``train.dispatch_plan=capacity`` after an overflow), so its
+        forwards run again. Nothing by default (a router that keeps no per-step sums)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

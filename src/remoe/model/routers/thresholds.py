@@ -51,6 +51,10 @@ class QuantileEMA:
         row = torch.cat([q_N.to(torch.float64), q_N.new_ones(1, dtype=torch.float64)])
         self._pending = row if self._pending is None else self._pending + row
 
+    def discard_step(self) -> None:
+        """The step is redone: its forwards' quantiles are dropped (they come again)."""
+        self._pending = None
+
     def _fold_quantiles(self) -> None:
         """Fold the step's mean quantile into the EMA (no-op if the step had no training
         forward)."""

@@ -1,0 +1,88 @@
+"""The GPU step's options, proven on CPU: AdamW's fused kernel against foreach (the same update
+within float rounding), the chunked LM head + loss against the whole-batch one (loss and
+gradients equal, the logits never whole), and their config checks. None changes the default."""
+
+import pytest
+import torch
+
+from remoe.errors import ConfigError
+from remoe.experiment import load_config
+from remoe.model import ReMoEConfig, ReMoEForCausalLM
+from remoe.model.llama import chunked_lm_loss
+from remoe.train.optim import adamw_kwargs, build_optimizer
+
+
+def test_adamw_impl_keywords_and_the_default_is_unchanged():
+    assert adamw_kwargs("auto", "cpu") == {"foreach": False, "fused": None}
+    assert adamw_kwargs("auto", "cuda") == {"foreach": True, "fused": None}
+    assert adamw_kwargs("fused", "cuda") == {"foreach": False, "fused": True}
+    assert adamw_kwargs("single", "cuda") == {"foreach": False, "fused": None}
+    assert load_config(None, []).train.adamw_impl == "auto"
+    with pytest.raises(ConfigError, match="train.adamw_impl"):
+        load_config(None, ["train.adamw_impl=apex"])
+
+
+def _updated(impl):
+    torch.manual_seed(0)
+    model = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="relu"))
+    tc = load_config(None, [f"train.adamw_impl={impl}", "train.lr=3e-3"]).train
+    opt = build_optimizer(model, tc, "cpu")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 512, (4, 17), generator=g)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fused_adamw_gives_foreach_s_update():
+    foreach, fused = _updated("foreach"), _updated("fused")
+    worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(foreach, fused))
+    assert worst < 1e-5, worst  # measured ~1e-7: float rounding of a differently fused update
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+def test_chunked_loss_equals_the_whole_batch_loss(chunk):
+    torch.manual_seed(0)
+    model = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="topk"))
+    ids = torch.randint(0, 512, (3, 21))
+    labels = ids.clone()
+    labels[0, 5:9] = -100  # ignored positions count as in F.cross_entropy
+    whole = model(ids, labels=labels)
+    whole.loss.backward()
+    g0 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=labels, loss_chunk_tokens=chunk)
+    assert out.logits is None
+    out.loss.backward()
+    assert torch.allclose(out.loss, whole.loss, rtol=1e-6, atol=0), (out.loss, whole.loss)
+    for p, g in zip(model.parameters(), g0):  # float rounding: another order of the sums
+        assert float((p.grad - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-12
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """Peak of the saved activations: the chunked head keeps no [T, V] tensor for backward."""
+    h = torch.randn(2, 65, 16, requires_grad=True)
+    w = torch.randn(4096, 16, requires_grad=True)
+    labels = torch.randint(0, 4096, (2, 65))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = chunked_lm_loss(h, w, labels, 16)
+    assert max(saved) < 128 * 4096 / 4, max(saved)  # at most ~a chunk, never all 128 tokens
+    loss.backward()
+    assert h.grad is not None and w.grad is not None
+
+
+def test_step_option_checks():
+    for bad, field in (("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
+                       ("train.pin_memory=maybe", "train.pin_memory")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, [bad])
+    tc = load_config(None, []).train
+    assert tc.loss_chunk_tokens == 0 and tc.pin_memory is False
