@@ -48,6 +48,32 @@ def test_suite_logic_on_cpu():
         assert (r["sparsity"] is not None) == moe
     assert abs(rows["relu"]["sparsity"] - 0.875) < 0.03  # held at the sparse stage III
     text = gpu.table(res)
-    assert text.splitlines()[0].startswith("| device | preset | router |")
-    assert "| cpu | micro | relu | bf16 |" in text and "not run (fewer than 2 GPUs)" in text
+    assert text.splitlines()[0].startswith("| device | preset | row | mb x accum |")
+    assert "| cpu | micro | relu | 2 x 1 |" in text and "not run (fewer than 2 GPUs)" in text
+    assert rows["topk"]["pairs_per_token"] == 1.0
+    assert abs(rows["relu"]["pairs_per_token"] - 1.0) < 0.02  # calibrated on the batches timed
+    (ratio,) = gpu.relu_vs_topk(res["rows"])
+    assert ratio["pair_ratio"] == pytest.approx(
+        ratio["tokens_ratio"] * rows["relu"]["pairs_per_token"])
+    assert "| ReLU row | vs TopK row |" in text
     assert any("bf16 vs fp32" in x for x in lines)
+
+
+def test_kernel_categories_and_busy_time():
+    cat = gpu.kernel_category
+    assert cat("void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor>") == \
+        "optimizer + clip"
+    assert cat("cutlass3x_sm90_tensorop_gemm_grouped_bf16") == "grouped GEMM"
+    assert cat("flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert cat("triton_red_fused__log_softmax_0") == "LM loss"
+    assert cat("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense GEMM"
+    assert cat("aten::index_select") == "gather / scatter / index"
+    assert cat("Memcpy DtoH (Device -> Pinned)") == "copy / memset"
+    assert cat("triton_poi_fused_mul_silu_3") == "elementwise / other"
+    assert gpu._busy_ms([(0, 1000), (500, 1500), (3000, 3500)]) == 2.0
+
+
+def test_head_loss_whole_and_chunked_on_cpu():
+    whole = gpu.head_loss(torch.device("cpu"), 16, 300, 64, reps=1, precision="fp32")
+    chunked = gpu.head_loss(torch.device("cpu"), 16, 300, 64, chunk=16, reps=1, precision="fp32")
+    assert whole["ms"] > 0 and chunked["ms"] > 0 and chunked["chunk"] == 16

@@ -94,8 +94,9 @@ SCRIPT = textwrap.dedent('''
     out = Path(sys.argv[1])
     res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,
                         warmup=1, vocab=384, matmul_n=64, routers=("relu",), log=lambda line: None)
-    check = gpu_check.run_check(torch.device("cpu"), out, preset="micro", seq_len=32,
-                                micro_batch=2, steps=1, warmup=1, vocab=384, matmul_n=64,
+    rows = [dict(r, micro_batch=r["micro_batch"] // 8) for r in gpu_check.ROWS]  # 16, 32 -> 2, 4
+    check = gpu_check.run_check(torch.device("cpu"), out, preset="micro", seq_len=32, rows=rows,
+                                steps=2, warmup=3, vocab=384, matmul_n=64,
                                 compile_backend="eager", log=lambda line: None)
     if not torch.cuda.is_available():
         assert cli.main(["--suite", "gpu", "--out", str(out / "gpu.json")]) == 0
@@ -134,20 +135,29 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
     assert res == {"suite": ["relu"], "modules": []}
     check = json.loads((tmp / "check" / "gpu_check.json").read_text())
     stages = check["stages"]
-    assert {"env", "bf16_check", "table"} <= set(stages)
+    assert {"env", "bf16_check", "head_loss", "table"} <= set(stages)
+    assert [h["chunk"] for h in stages["head_loss"]] == [0, 4096], stages["head_loss"]
     rows = {k: v for k, v in stages.items() if isinstance(v, dict) and "router" in v}
-    assert len(rows) == 7, {k: v.get("error", "") for k, v in stages.items()}
+    assert len(rows) == 13, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
     for name, row in rows.items():
         exact = row["plan"] == "exact"
         assert row["syncs_backward"] == 0 and row["syncs_step"] == 1, (name, row["syncs_report"])
         relu_exact = exact and row["router"] == "relu"  # fixed-k plans never sync
-        assert row["syncs_forward"] == (row["moe_layers"] if relu_exact else 0), \
-            (name, row["syncs_report"])
-        if row["compiled"]:  # the exact plan breaks ReLU's block graph at its nonzero
-            breaks = row["dynamo"]["graph_breaks"]
-            assert row["dynamo"]["frames"] >= 1 and (breaks >= 0 if exact else breaks == 0), row
-        if row["router"] == "relu":  # the timed steps ran at the calibrated stage-III density
-            assert abs(row["sparsity"] - 0.875) < 0.03, row
+        per_layer = row["moe_layers"] * row["grad_accum"]  # one per MoE layer and micro-batch
+        assert row["syncs_forward"] == (per_layer if relu_exact else 0), (name, row["syncs_report"])
+        # the exact plan breaks ReLU's block graph at its nonzero unless dynamo captures it
+        breaks = row["dynamo"]["graph_breaks"]
+        broken = relu_exact and not row["capture_dynamic"]
+        assert row["dynamo"]["frames"] >= 1 and (breaks > 0 if broken else breaks == 0), row
+        if row["router"] == "relu":  # the timed steps held TopK's pairs per token (k = 1)
+            assert abs(row["pairs_per_token"] - 1.0) <= 0.02, row
+            assert row["steps_redone"] == (None if exact else 0), row
+        if row["router"] == "topk":
+            assert row["pairs_per_token"] == 1.0
+        if row["profile"] is not None:
+            assert row["profile"]["by_category_ms"] and row["profile"]["wall_ms"] > 0
+    ratios = check["relu_vs_topk"]
+    assert len(ratios) == 6 and all(q["pair_ratio"] > 0 for q in ratios), ratios
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

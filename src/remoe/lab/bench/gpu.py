@@ -26,6 +26,7 @@ Without CUDA it prints one line and returns 0. Every part takes a ``device`` so 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import tempfile
@@ -116,14 +117,25 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
               micro_batch: int = 8, steps: int = 10, warmup: int = 3, precision: str = "bf16",
               vocab: int = GPT2_VOCAB, peak_tflops: float | None = None,
               matmul_peak: float | None = None, compile_backend: str | None = None,
-              static_plan: bool = False) -> dict:
+              plan: str = "exact", grad_accum: int = 1, capture_dynamic: bool = False,
+              adamw: str = "auto", loss_chunk: int = 0, profile: bool = False) -> dict:
     """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc).
+
     ``compile_backend``: each decoder block compiled with it (``inductor``: what
     ``train.compile=true`` does; the warm-up steps then include the compilation).
-    ``static_plan=True``: data-dependent routing on the plan padded to a static capacity (no
-    sync) instead of the exact one (``nonzero``: one sync per MoE layer), for comparison.
-    The learning rate is tiny (``train.lr=1e-12``, ``train.min_lr=0``; the same work per step) so that the routers
-    stay where the calibration put them: ReLU's timed steps run at the stage-III density."""
+    ``plan``: ``train.dispatch_plan`` for data-dependent routing: ``exact`` (``nonzero``: one
+    sync per MoE layer), ``static`` (padded to ``T*N``) or ``capacity`` (padded to the previous
+    steps' pairs; :class:`remoe.train.compile.CapacityPlan`); ``capture_dynamic``: dynamo
+    captures the exact plan's ``nonzero`` in the graph instead of breaking there (the sync
+    stays). ``grad_accum``: micro-batches per optimizer step; ``adamw``, ``loss_chunk``:
+    ``train.adamw_impl``, ``train.loss_chunk_tokens``. ``profile``: also one step's device time
+    by kernel category (:func:`profile_step`).
+
+    Equal work: every step reads the same ``grad_accum`` micro-batches, and ReLU's routers are
+    calibrated on exactly those (:func:`remoe.lab.bench.model.force_model_density` over all of
+    them), so each timed step holds ``k/E`` of the pairs, TopK's count; the row reports its
+    pairs per token. The learning rate is tiny (``train.lr=1e-12``, ``train.min_lr=0``; the same
+    work per step) so that the routers stay where the calibration put them."""
     from remoe.lab.bench.model import force_model_density
     from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.model.moe import MoELayer
@@ -132,62 +144,194 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     from remoe.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="remoe-gpu-") as tmp:
-        cfg = step_config(router, preset, seq_len, micro_batch, 1, tmp,
+        cfg = step_config(router, preset, seq_len, micro_batch, grad_accum, tmp,
                           [f"train.device={device.type}", f"train.precision={precision}",
                            f"train.max_steps={warmup + steps + 10}", "train.lr=1e-12",
-                           "train.min_lr=0"])
-        t = Trainer(cfg, progress=False, data=SyntheticData(vocab))
+                           "train.min_lr=0", f"train.dispatch_plan={plan}",
+                           f"train.adamw_impl={adamw}", f"train.loss_chunk_tokens={loss_chunk}"])
+        t = Trainer(cfg, progress=False, data=SyntheticData(vocab, pool=grad_accum))
         try:
             layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
-            for layer in layers:
-                layer.static_plan = static_plan
-            if router == "relu":  # the sparse stage III, as the CPU model suite forces it
-                ids = t.sampler.batch(0, 0, 0)[0].to(t.device)
+            if t.model_cfg.uses_adaptive_reg:  # the sparse stage III on the very batches timed
+                pool = [t.sampler.batch(0, m, 0)[0].to(t.device) for m in range(grad_accum)]
                 with t._autocast():
-                    force_model_density(t.model, ids, 1.0 - t.model_cfg.target_sparsity)
+                    force_model_density(t.model, pool, 1.0 - t.model_cfg.target_sparsity)
             t_compile = time.perf_counter()  # after the calibration (hooks would recompile)
             if compile_backend:
                 compile_blocks(t.model, backend=compile_backend)
-            for _ in range(warmup):
-                t.train_step()
-            _sync(device)
-            warmup_s = time.perf_counter() - t_compile
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            recs = []
-            flops0 = t.total_flops  # the trainer's counted training FLOPs (cumulative)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                recs.append(t.train_step())
-            _sync(device)
-            dt = time.perf_counter() - t0
-            flops = t.total_flops - flops0
-            with SyncCounter() as sc, sc.watch(t.model, "forward"):
-                sc.mark_host(*[st["step"] for st in t.optimizer.state.values()
-                               if isinstance(st.get("step"), torch.Tensor)])
-                t.train_step()
+            with _dynamo_capture(capture_dynamic):
+                for _ in range(warmup):
+                    t.train_step()
+                _sync(device)
+                warmup_s = time.perf_counter() - t_compile
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                recs = []
+                flops0 = t.total_flops  # the trainer's counted training FLOPs (cumulative)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    recs.append(t.train_step())
+                _sync(device)
+                dt = time.perf_counter() - t0
+                flops = t.total_flops - flops0
+                prof = profile_step(t, device) if profile else None
+                with SyncCounter() as sc, sc.watch(t.model, "forward"):
+                    sc.mark_host(*[st["step"] for st in t.optimizer.state.values()
+                                   if isinstance(st.get("step"), torch.Tensor)])
+                    t.train_step()
             peak_mem = (torch.cuda.max_memory_allocated(device) / 2**30
                         if device.type == "cuda" else None)
             expert_dtypes = _expert_dtypes(t, layers)
+            redone = t.capacity.redone if t.capacity is not None else None
         finally:
             close_trainer(t)
     tokens = sum(r["step_tokens"] for r in recs)
     by = sc.by_phase()
+    pairs = (sum(r["active_k"] for r in recs) / len(recs)) if layers else None
     row = {"router": router, "preset": preset, "device": _device_name(device),
            "precision": precision, "backend": "grouped_mm", "compiled": compile_backend,
-           "plan": "static" if static_plan else "exact", "warmup_s": warmup_s, "seq_len": seq_len,
-           "micro_batch": micro_batch, "steps_timed": steps,
+           "plan": plan, "capture_dynamic": capture_dynamic, "adamw": adamw,
+           "loss_chunk": loss_chunk, "warmup_s": warmup_s, "seq_len": seq_len,
+           "micro_batch": micro_batch, "grad_accum": grad_accum,
+           "step_tokens": recs[-1]["step_tokens"], "steps_timed": steps,
            "tokens_per_s": tokens / dt, "step_ms": 1e3 * dt / steps,
            "train_tflops": flops / dt / 1e12, "peak_mem_gib": peak_mem,
            "sparsity": sum(r["sparsity"] for r in recs) / len(recs) if layers else None,
+           # (token, expert) pairs per token and MoE layer in the timed steps (k for TopK)
+           "pairs_per_token": pairs, "steps_redone": redone,
            "loss_last": recs[-1]["loss"], "moe_layers": len(layers),
            "syncs_forward": by.get("forward", 0), "syncs_backward": by.get("backward", 0),
            "syncs_step": by.get("step", 0), "syncs_per_step": sc.count(),
-           "syncs_report": sc.report().splitlines(), "expert_input_dtype": expert_dtypes}
+           "syncs_report": sc.report().splitlines(), "expert_input_dtype": expert_dtypes,
+           "profile": prof}
     row["mfu"] = row["train_tflops"] / peak_tflops if peak_tflops else None
     row["mfu_vs_matmul"] = row["train_tflops"] / matmul_peak if matmul_peak else None
     return row
+
+
+def _dynamo_capture(on: bool):
+    """``capture_dynamic_output_shape_ops``: dynamo keeps ``nonzero`` in the graph (no break)."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
+#: (category, name fragments), first match wins: CUDA kernel names (cuBLAS / CUTLASS / flash /
+#: inductor's triton kernels) and, on CPU, aten operator names
+KERNEL_CATEGORIES = (
+    ("optimizer + clip", ("adam", "multi_tensor", "foreach", "optimizer.step", "clip_grad")),
+    ("grouped GEMM", ("grouped", "group_gemm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("LM loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
+    ("dense GEMM", ("gemm", "matmul", "xmma", "nvjet", "cutlass", "cublas", "aten::mm",
+                    "aten::addmm", "aten::bmm", "aten::linear")),
+    ("gather / scatter / index", ("index", "gather", "scatter", "nonzero", "sort", "cumsum",
+                                  "scan", "bincount", "radix", "unique", "histc")),
+    ("copy / memset", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The category of a kernel (or CPU operator) name; ``elementwise / other`` for the rest
+    (inductor's fused pointwise and reduction kernels, activations, norms)."""
+    low = name.lower()
+    for cat, frags in KERNEL_CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "elementwise / other"
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (microseconds in) in ms."""
+    busy, last = 0.0, None
+    for a, b in sorted(intervals):
+        if last is None or a > last:
+            busy += b - a
+            last = b
+        elif b > last:
+            busy += b - last
+            last = b
+    return busy / 1e3
+
+
+def profile_step(t, device: torch.device) -> dict:
+    """One trainer step under ``torch.profiler``: device time by :func:`kernel_category` (ms),
+    the time some kernel ran (``busy_ms``) and the step's wall time; ``idle_ms`` = wall - busy
+    (the device waiting for the host: launches, syncs, Python). On CPU the same from the
+    operators' self time (the logic; the figures that matter are CUDA's)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        t.train_step()
+        _sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    by: dict[str, float] = {}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        for e in kernels:
+            cat = kernel_category(e.name)
+            by[cat] = by.get(cat, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        busy = _busy_ms([(e.time_range.start, e.time_range.end) for e in kernels])
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                cat = kernel_category(e.key)
+                by[cat] = by.get(cat, 0.0) + e.self_cpu_time_total / 1e3
+        busy = sum(by.values())
+    return {"wall_ms": wall_ms, "busy_ms": busy, "idle_ms": max(0.0, wall_ms - busy),
+            "by_category_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+            "source": "cuda kernels" if cuda else "cpu operators (self time)"}
+
+
+def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
+              chunk: int = 0, reps: int = 5, precision: str = "bf16") -> dict:
+    """The LM head + loss alone at a step's shape (``tokens`` positions of width ``hidden``):
+    forward and backward time (best of ``reps``) and, on CUDA, the peak memory above its inputs;
+    ``chunk`` > 0: :func:`remoe.model.llama.chunked_lm_loss`. What the rest of the step pays
+    for the logits, measured apart."""
+    from remoe.model.llama import chunked_lm_loss
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(1, tokens + 1, hidden, generator=g).to(device).requires_grad_(True)
+    w = (0.02 * torch.randn(vocab, hidden, generator=g)).to(device).requires_grad_(True)
+    y = torch.randint(0, vocab, (1, tokens + 1), generator=g).to(device)
+    ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def run():
+        with ac:
+            if chunk:
+                loss = chunked_lm_loss(h, w, y, chunk)
+            else:
+                logits = torch.nn.functional.linear(h[:, :-1], w)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, vocab).float(), y[:, 1:].reshape(-1))
+        loss.backward()
+        h.grad = w.grad = None
+        return loss
+
+    run()
+    _sync(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    peak = ((torch.cuda.max_memory_allocated(device) - base) / 2**30
+            if device.type == "cuda" else None)
+    return {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk": chunk,
+            "ms": 1e3 * best, "peak_extra_gib": peak}
 
 
 class _GroupedMMDtypes(TorchDispatchMode):
@@ -268,20 +412,40 @@ def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
     return res
 
 
+def _row_label(r: dict) -> str:
+    name = r["router"] + (", compiled" if r.get("compiled") else "")
+    if r["router"] != "dense" and r.get("plan", "exact") != "exact":
+        name += f", {r['plan']} plan"
+    if r.get("capture_dynamic"):
+        name += ", nonzero captured"
+    if r.get("adamw", "auto") != "auto":
+        name += f", {r['adamw']} AdamW"
+    if r.get("loss_chunk"):
+        name += f", loss chunk {r['loss_chunk']}"
+    return name
+
+
 def table(res: dict) -> str:
-    """The markdown table docs/SCALING.md publishes."""
-    head = ("| device | preset | router | precision | tokens/s | MFU (data sheet) | "
-            "MFU (matmul) | peak GiB | syncs/step (fwd/bwd/step) | sparsity |")
-    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
+    """The markdown table docs/SCALING.md publishes, then ReLU against TopK at the same micro
+    batch, accumulation and compile setting: tokens/s and per active (token, expert) pair."""
+    head = ("| device | preset | row | mb x accum | tokens/s | pairs/token | MFU (data sheet) | "
+            "MFU (matmul) | peak GiB | syncs/step (fwd/bwd/step) |")
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in res["rows"]:
-        name = r["router"] + (", compiled" if r.get("compiled") else "") + (
-            ", static plan" if r.get("plan") == "static" and r["router"] != "dense" else "")
-        lines.append(f"| {r['device']} | {r['preset']} | {name} | {r['precision']} | "
-                     f"{r['tokens_per_s']:,.0f} | {f(r['mfu'], '.1%')} | "
+        lines.append(f"| {r['device']} | {r['preset']} | {_row_label(r)} | "
+                     f"{r['micro_batch']} x {r.get('grad_accum', 1)} | {r['tokens_per_s']:,.0f} | "
+                     f"{f(r.get('pairs_per_token'), '.3f')} | {f(r['mfu'], '.1%')} | "
                      f"{f(r['mfu_vs_matmul'], '.1%')} | {f(r['peak_mem_gib'], '.1f')} | "
                      f"{r['syncs_per_step']} ({r['syncs_forward']}/{r['syncs_backward']}/"
-                     f"{r['syncs_step']}) | {f(r['sparsity'], '.3f')} |")
+                     f"{r['syncs_step']}) |")
+    ratios = relu_vs_topk(res["rows"])
+    if ratios:
+        lines += ["", "| ReLU row | vs TopK row | tokens/s ratio | per active pair | pairs/token "
+                  "ReLU / TopK |", "|---|---|---:|---:|---:|"]
+        for q in ratios:
+            lines.append(f"| {q['relu']} | {q['topk']} | {q['tokens_ratio']:.3f} | "
+                         f"{q['pair_ratio']:.3f} | {q['pairs_relu']:.3f} / {q['pairs_topk']:.3f} |")
     fe = res.get("fsdp_ep")
     if fe is None:
         lines.append("\nFSDP+EP, 2 processes: not run (fewer than 2 GPUs)")
@@ -293,7 +457,35 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def relu_vs_topk(rows: list[dict]) -> list[dict]:
+    """Each ReLU row against the TopK row of the same micro batch, accumulation, compile
+    setting, AdamW and loss chunk (the defaults when no TopK row has the same options): the
+    tokens/s ratio and the ratio of (token, expert) pairs per second, which holds the
+    comparison at equal work when the pairs per token differ."""
+    def key(r, full=True):
+        base = (r["micro_batch"], r.get("grad_accum", 1), r.get("compiled"))
+        return base + ((r.get("adamw", "auto"), r.get("loss_chunk", 0)) if full else ())
+
+    topk = {key(r): r for r in rows if r["router"] == "topk"}
+    plain = {key(r, False): r for r in rows if r["router"] == "topk"
+             and r.get("adamw", "auto") == "auto" and not r.get("loss_chunk")}
+    out = []
+    for r in rows:
+        if r["router"] != "relu":
+            continue
+        t = topk.get(key(r)) or plain.get(key(r, False))
+        if t is None or not r.get("pairs_per_token") or not t.get("pairs_per_token"):
+            continue
+        tok = r["tokens_per_s"] / t["tokens_per_s"]
+        out.append({"relu": _row_label(r), "topk": _row_label(t), "tokens_ratio": tok,
+                    "pair_ratio": tok * r["pairs_per_token"] / t["pairs_per_token"],
+                    "pairs_relu": r["pairs_per_token"], "pairs_topk": t["pairs_per_token"],
+                    "micro_batch": r["micro_batch"], "grad_accum": r.get("grad_accum", 1)})
+    return out
+
+
 NO_CUDA_LINE = "gpu suite: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); nothing measured"
 
 
-__all__ = ["run_suite", "loss_check", "train_row", "table", "peak_bf16_tflops", "PEAK_BF16_TFLOPS"]
+__all__ = ["run_suite", "loss_check", "train_row", "table", "relu_vs_topk", "profile_step",
+           "head_loss", "kernel_category", "peak_bf16_tflops", "PEAK_BF16_TFLOPS"]

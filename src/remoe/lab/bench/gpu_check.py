@@ -7,12 +7,18 @@ of what matters if the run is cut off:
 1. ``env``: Python / torch / CUDA / triton / transformers versions, the device, its
    data-sheet bf16 peak (:data:`remoe.lab.bench.gpu.PEAK_BF16_TFLOPS`) and a measured bf16 matmul;
 2. ``bf16_check``: bf16 autocast vs fp32 loss and gradient (:func:`remoe.lab.bench.gpu.loss_check`);
-3. one stage per row of :data:`ROWS`: dense / TopK / ReLU at the ``small`` preset (E=8, k=1,
-   sequence 1024, ReLU calibrated to the sparse stage III), eager then with each decoder block
-   compiled (inductor), all on the default exact dispatch plan (one ``nonzero`` sync per ReLU
-   layer), then ReLU on the static plan (padded, no sync: ``train.dispatch_plan=static``) as
-   the comparison: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, MFU against
-   the data sheet and the measured matmul, peak memory, host syncs per step.
+3. ``head_loss``: the LM head + cross-entropy alone at the step's micro-batch shape, whole and
+   chunked (``train.loss_chunk_tokens``): time and peak memory;
+4. one stage per row of :data:`ROWS`, the realistic step first: dense / TopK / ReLU at the
+   ``small`` preset (E=8, k=1, sequence 1024), each decoder block compiled (inductor), 64
+   sequences per optimizer step (the paper's per-GPU share of its 512 x 1024 batch on 8 GPUs:
+   micro batch 16 x 4, then 32 x 2), ReLU on the capacity plan (no sync, no graph break) and
+   on the exact plan (``nonzero``) with and without dynamo capturing it, then fused AdamW and
+   the chunked loss: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, (token, expert) pairs
+   per token (ReLU calibrated on the very batches timed: TopK's count), MFU against the data
+   sheet and the measured matmul, peak memory, host syncs per step, and for the first rows a
+   profile of one step by kernel category. The table compares every ReLU row with its TopK
+   row per token and per active pair.
 
 After every stage the whole result so far is written to ``gpu_check.json`` (atomically: a
 temporary file, then a rename) in ``$OUT`` when set, else ``bench_results/``, and the log line
@@ -35,10 +41,23 @@ from pathlib import Path
 
 import torch
 
-#: (router, compile backend or None, static plan) in the order they run
-ROWS = (("dense", None, False), ("topk", None, False), ("relu", None, False),
-        ("dense", "inductor", False), ("topk", "inductor", False), ("relu", "inductor", False),
-        ("relu", None, True))
+def _row(router: str, mb: int = 16, accum: int = 4, plan: str = "capacity", compiled: bool = True,
+         capture: bool = False, adamw: str = "auto", chunk: int = 0, profile: bool = False):
+    return {"router": router, "micro_batch": mb, "grad_accum": accum, "plan": plan,
+            "backend": "inductor" if compiled else None, "capture_dynamic": capture,
+            "adamw": adamw, "loss_chunk": chunk, "profile": profile}
+
+
+#: the rows in the order they run (what matters most first, if the budget cuts the rest)
+ROWS = (
+    _row("topk", profile=True), _row("relu", profile=True), _row("dense", profile=True),
+    _row("relu", plan="exact"), _row("relu", plan="exact", capture=True),
+    _row("topk", adamw="fused"), _row("relu", adamw="fused"),
+    _row("topk", adamw="fused", chunk=4096), _row("relu", adamw="fused", chunk=4096),
+    _row("dense", adamw="fused", chunk=4096),
+    _row("topk", 32, 2, adamw="fused"), _row("relu", 32, 2, adamw="fused"),
+    _row("dense", 32, 2, adamw="fused"),
+)
 NO_CUDA = ("gpu check: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); "
            "nothing measured")
 
@@ -84,17 +103,27 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
-def row_name(router: str, backend: str | None, static: bool) -> str:
-    return router + (f"_compiled_{backend}" if backend else "_eager") + ("_static_plan" if static else "")
+def row_name(row: dict) -> str:
+    """``relu_compiled_inductor_capacity_mb16x4_fused_chunk4096`` and the like."""
+    name = row["router"] + (f"_compiled_{row['backend']}" if row["backend"] else "_eager")
+    if row["router"] != "dense":
+        name += f"_{row['plan']}" + ("_captured" if row["capture_dynamic"] else "")
+    name += f"_mb{row['micro_batch']}x{row['grad_accum']}"
+    if row["adamw"] != "auto":
+        name += f"_{row['adamw']}"
+    if row["loss_chunk"]:
+        name += f"_chunk{row['loss_chunk']}"
+    return name
 
 
 def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_len: int = 1024,
-              micro_batch: int = 8, steps: int = 10, warmup: int = 3, budget_s: float = 420.0,
-              rows=ROWS, check_preset: str = "micro", vocab: int | None = None,
-              matmul_n: int = 8192, compile_backend: str | None = None, log=print) -> dict:
+              steps: int = 6, warmup: int = 3, budget_s: float = 400.0, rows=ROWS,
+              check_preset: str = "micro", vocab: int | None = None, matmul_n: int = 8192,
+              compile_backend: str | None = None, log=print) -> dict:
     """Every stage on ``device`` (CUDA in production; CPU in the tests, where
     ``compile_backend`` replaces inductor, whose CPU compilation takes minutes)."""
     from remoe.lab.bench import gpu
+    from remoe.model.config import ReMoEConfig
 
     t0 = time.perf_counter()
     rec = Recorder(out_dir, log)
@@ -117,10 +146,24 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
     except Exception as e:  # recorded; the throughput rows still run
         rec.save("bf16_check", {"error": _error(e)})
         rec.log(f"[bf16_check] FAILED: {_error(e)[-300:]}")
+    try:  # the LM head + loss alone, at the first row's micro-batch (whole, then chunked)
+        hidden = ReMoEConfig.from_preset(preset).hidden_size
+        tokens = rows[0]["micro_batch"] * seq_len if rows else seq_len
+        v = vocab or gpu.GPT2_VOCAB
+        head = [gpu.head_loss(device, hidden, v, tokens, chunk=c) for c in (0, 4096)]
+        rec.save("head_loss", head)
+        rec.log("[head_loss] " + "; ".join(
+            f"{'chunk ' + str(h['chunk']) if h['chunk'] else 'whole'}: {h['ms']:.1f} ms, peak +"
+            f"{h['peak_extra_gib'] or 0:.2f} GiB" for h in head))
+    except Exception as e:
+        rec.save("head_loss", {"error": _error(e)})
+        rec.log(f"[head_loss] FAILED: {_error(e)[-300:]}")
     done = []
-    for router, backend, static in rows:
-        backend = compile_backend if (backend and compile_backend) else backend
-        name = row_name(router, backend, static)
+    for row in rows:
+        row = dict(row)
+        if row["backend"] and compile_backend:
+            row["backend"] = compile_backend
+        name = row_name(row)
         if time.perf_counter() - t0 > budget_s:
             rec.save(name, {"skipped": f"over the {budget_s:.0f} s budget"})
             rec.log(f"[{name}] skipped (over the {budget_s:.0f} s budget)")
@@ -128,18 +171,21 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         try:
             from remoe.train.compile import compile_counters
 
-            if backend:
+            if row["backend"]:
                 torch._dynamo.reset()
             before = compile_counters()
-            row = gpu.train_row(router, device, preset, seq_len, micro_batch, steps, warmup,
-                                vocab=vocab or gpu.GPT2_VOCAB, peak_tflops=peak,
-                                matmul_peak=env["matmul_bf16_tflops"], compile_backend=backend,
-                                static_plan=static)
-            if backend:  # graphs compiled (recompilations included) and breaks in this row
-                row["dynamo"] = {k: v - before[k] for k, v in compile_counters().items()}
+            res = gpu.train_row(row["router"], device, preset, seq_len, row["micro_batch"], steps,
+                                warmup, vocab=vocab or gpu.GPT2_VOCAB, peak_tflops=peak,
+                                matmul_peak=env["matmul_bf16_tflops"],
+                                compile_backend=row["backend"], plan=row["plan"],
+                                grad_accum=row["grad_accum"],
+                                capture_dynamic=row["capture_dynamic"], adamw=row["adamw"],
+                                loss_chunk=row["loss_chunk"], profile=row["profile"])
+            if row["backend"]:  # graphs compiled (recompilations included) and breaks in this row
+                res["dynamo"] = {k: v - before[k] for k, v in compile_counters().items()}
                 # a dispatch mode (the sync counter) makes dynamo run the eager code: with no
                 # graph break the compiled graphs hold the same ops, so the same syncs
-                row["syncs_counted_on"] = "eager code (no compiled code runs under the counter)"
+                res["syncs_counted_on"] = "eager code (no compiled code runs under the counter)"
         except Exception as e:
             rec.save(name, {"error": _error(e)})
             rec.log(f"[{name}] FAILED: {_error(e)[-300:]}")
@@ -147,14 +193,23 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        rec.save(name, row)
-        done.append(row)
-        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-        rec.log(f"[{name}] {row['tokens_per_s']:,.0f} tokens/s, MFU {mfu} (matmul "
-                f"{row['mfu_vs_matmul']:.1%}), peak {row['peak_mem_gib'] or 0:.1f} GiB, syncs/step "
-                f"{row['syncs_per_step']} ({row['syncs_forward']}/{row['syncs_backward']}/"
-                f"{row['syncs_step']}), warm-up {row['warmup_s']:.0f} s")
+        rec.save(name, res)
+        done.append(res)
+        mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "-"
+        ppt = f"{res['pairs_per_token']:.3f}" if res["pairs_per_token"] is not None else "-"
+        rec.log(f"[{name}] {res['tokens_per_s']:,.0f} tokens/s, pairs/token {ppt}, MFU {mfu} "
+                f"(matmul {res['mfu_vs_matmul']:.1%}), peak {res['peak_mem_gib'] or 0:.1f} GiB, "
+                f"syncs/step {res['syncs_per_step']} ({res['syncs_forward']}/"
+                f"{res['syncs_backward']}/{res['syncs_step']}), warm-up {res['warmup_s']:.0f} s"
+                + (f", graphs {res['dynamo']['frames']} breaks {res['dynamo']['graph_breaks']}"
+                   if "dynamo" in res else ""))
+        if res.get("profile"):
+            p = res["profile"]
+            cats = ", ".join(f"{k} {v:.1f}" for k, v in p["by_category_ms"].items())
+            rec.log(f"[{name}] profile of one step: wall {p['wall_ms']:.1f} ms, busy "
+                    f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}")
     rec.res["elapsed_s"] = time.perf_counter() - t0
+    rec.res["relu_vs_topk"] = gpu.relu_vs_topk(done)
     rec.save("table", gpu.table({"rows": done, "fsdp_ep": None}))
     rec.log("\n" + rec.res["stages"]["table"])
     rec.log(f"wrote {rec.path} ({rec.res['elapsed_s']:.0f} s)")
@@ -170,18 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where gpu_check.json / .log go (default: $OUT, else bench_results)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per row (default 6)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per row (default 3)")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="no new row starts after this many seconds (default 420)")
+    p.add_argument("--budget-s", type=float, default=400.0,
+                   help="no new row starts after this many seconds (default 400)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_CUDA.format(torch=torch.__version__))
         return 0
     out_dir = args.out_dir or Path(os.environ.get("OUT") or "bench_results")
-    res = run_check(torch.device("cuda"), out_dir, micro_batch=args.micro_batch,
-                    steps=args.steps, warmup=args.warmup, budget_s=args.budget_s)
+    res = run_check(torch.device("cuda"), out_dir, steps=args.steps, warmup=args.warmup,
+                    budget_s=args.budget_s)
     checks = res["stages"].get("bf16_check")
     return 1 if isinstance(checks, dict) or not all(c["ok"] for c in checks) else 0
 

@@ -59,20 +59,23 @@ def moe_layers(model: ReMoEForCausalLM) -> list[MoELayer]:
     return [b.ffn for b in model.layers if isinstance(b.ffn, MoELayer)]
 
 
-def force_model_density(model: ReMoEForCausalLM, ids: torch.Tensor, density: float) -> None:
+def force_model_density(model: ReMoEForCausalLM, ids, density: float) -> None:
     """Calibrate every ReLU layer's bias, first layer first, on the inputs it sees with the biases
-    of the earlier layers already in place."""
+    of the earlier layers already in place. ``ids``: one batch, or a list of batches that are
+    calibrated as one (their tokens together hold exactly ``density``)."""
+    batches = list(ids) if isinstance(ids, (list, tuple)) else [ids]
     for layer in moe_layers(model):
-        seen = {}
+        seen: list[torch.Tensor] = []
 
         def grab(mod, args, seen=seen):
-            seen.setdefault("x", args[0].detach())  # returns None: the inputs are left alone
+            seen.append(args[0].detach())  # returns None: the inputs are left alone
 
         hook = layer.router.register_forward_pre_hook(grab)
         with torch.no_grad():
-            model(ids)
+            for b in batches:
+                model(b)
         hook.remove()
-        force_relu_density(layer, seen["x"], density)
+        force_relu_density(layer, torch.cat(seen), density)
 
 
 def _train_step(model, opt, ids, lam: float, step: int, layer_lams: list[float] | None = None):

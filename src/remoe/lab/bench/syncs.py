@@ -31,12 +31,18 @@ ROUTERS = ("dense", "topk", "relu")
 
 
 class _Batches:
-    """``batch(step, micro, rank)`` -> ``(input_ids [B, S], domain_ids [B])``: seeded noise."""
+    """``batch(step, micro, rank)`` -> ``(input_ids [B, S], domain_ids [B])``: seeded noise.
+    ``pool``: every step reads the same ``pool`` micro-batches (micro-batch ``micro % pool`` of
+    step 0), so that a router calibrated on them holds its density in every timed step."""
 
-    def __init__(self, vocab: int, seq_len: int, micro_batch: int, seed: int) -> None:
+    def __init__(self, vocab: int, seq_len: int, micro_batch: int, seed: int,
+                 pool: int | None = None) -> None:
         self.vocab, self.seq_len, self.micro_batch, self.seed = vocab, seq_len, micro_batch, seed
+        self.pool = pool
 
     def batch(self, step: int, micro: int = 0, rank: int = 0):
+        if self.pool is not None:
+            step, micro = 0, micro % self.pool
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro * 31 + rank)
         ids = torch.randint(0, self.vocab, (self.micro_batch, self.seq_len), generator=g)
         return ids, torch.zeros(self.micro_batch, dtype=torch.int64)
@@ -45,14 +51,15 @@ class _Batches:
 class SyntheticData:
     """The part of :class:`remoe.data.DataBundle` that a training step reads."""
 
-    def __init__(self, vocab_size: int = 384) -> None:
+    def __init__(self, vocab_size: int = 384, pool: int | None = None) -> None:
         self.vocab_size, self.eos_id = vocab_size, 0
+        self.pool = pool  # the same `pool` micro-batches every step (see _Batches)
         self.domains = ["synthetic"]
         self.tokenizer_path = None
 
     def train_batches(self, seq_len: int, micro_batch: int, grad_accum: int = 1,
                       world_size: int = 1, seed: int = 0, **_) -> _Batches:
-        return _Batches(self.vocab_size, seq_len, micro_batch, seed)
+        return _Batches(self.vocab_size, seq_len, micro_batch, seed, self.pool)
 
     def eval_batches(self, *args, **kwargs):
         return iter(())
