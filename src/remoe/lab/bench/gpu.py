@@ -412,6 +412,21 @@ def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
     return res
 
 
+def row_name(row: dict) -> str:
+    """A gpu-check row's stage name: ``relu_compiled_inductor_capacity_mb16x4_fused_chunk4096``
+    (``row``: router, backend, plan, capture_dynamic, micro_batch, grad_accum, adamw,
+    loss_chunk)."""
+    name = row["router"] + (f"_compiled_{row['backend']}" if row["backend"] else "_eager")
+    if row["router"] != "dense":
+        name += f"_{row['plan']}" + ("_captured" if row["capture_dynamic"] else "")
+    name += f"_mb{row['micro_batch']}x{row['grad_accum']}"
+    if row["adamw"] != "auto":
+        name += f"_{row['adamw']}"
+    if row["loss_chunk"]:
+        name += f"_chunk{row['loss_chunk']}"
+    return name
+
+
 def _row_label(r: dict) -> str:
     name = r["router"] + (", compiled" if r.get("compiled") else "")
     if r["router"] != "dense" and r.get("plan", "exact") != "exact":

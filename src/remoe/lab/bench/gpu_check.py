@@ -103,19 +103,6 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
-def row_name(row: dict) -> str:
-    """``relu_compiled_inductor_capacity_mb16x4_fused_chunk4096`` and the like."""
-    name = row["router"] + (f"_compiled_{row['backend']}" if row["backend"] else "_eager")
-    if row["router"] != "dense":
-        name += f"_{row['plan']}" + ("_captured" if row["capture_dynamic"] else "")
-    name += f"_mb{row['micro_batch']}x{row['grad_accum']}"
-    if row["adamw"] != "auto":
-        name += f"_{row['adamw']}"
-    if row["loss_chunk"]:
-        name += f"_chunk{row['loss_chunk']}"
-    return name
-
-
 def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_len: int = 1024,
               steps: int = 6, warmup: int = 3, budget_s: float = 400.0, rows=ROWS,
               check_preset: str = "micro", vocab: int | None = None, matmul_n: int = 8192,
@@ -163,7 +150,7 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         row = dict(row)
         if row["backend"] and compile_backend:
             row["backend"] = compile_backend
-        name = row_name(row)
+        name = gpu.row_name(row)
         if time.perf_counter() - t0 > budget_s:
             rec.save(name, {"skipped": f"over the {budget_s:.0f} s budget"})
             rec.log(f"[{name}] skipped (over the {budget_s:.0f} s budget)")
