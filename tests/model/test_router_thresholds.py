@@ -241,13 +241,25 @@ def test_expert_threshold_routes_each_token_on_its_own():
     r._pending = None
 
 
+#: band around 1 - k/E = 0.875 of the mean sparsity of steps 161-240, per router: 1.5-2x the
+#: largest deviation measured over seeds 0-7 under the default kernels and under
+#: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE on an Intel Xeon (AVX-512): load rule
+#: 0.842-0.893 (largest deviation 0.033), quantile rule 0.872-0.885 (0.010), expert_threshold
+#: 0.867-0.879 (0.008). One trajectory's low bits differ by CPU vendor and kernel path; the
+#: band is the controller's spread, not one run's value.
+TARGET_BAND = {("relu_threshold", "load"): 0.05, ("relu_threshold", "quantile"): 0.02,
+               ("expert_threshold", "load"): 0.02}
+
+
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("name,kw", [("relu_threshold", {}),
                                      ("relu_threshold", {"threshold_rule": "quantile"}),
                                      ("expert_threshold", {})])
 def test_short_training_reaches_the_target_band(name, kw):
-    """A micro model trained 120 steps on a fixed synthetic stream, the thresholds updated
+    """A micro model trained 240 steps on a fixed synthetic stream, the thresholds updated
     after each optimizer step from the step's counts as the trainer does: the sparsity of the
-    last 40 steps averages within 0.02 of 1 - k/E = 0.875 (it starts near 0.5)."""
+    last 80 steps averages within the router's band (:data:`TARGET_BAND`) of 1 - k/E = 0.875
+    (it starts near 0.5)."""
     torch.manual_seed(0)
     cfg = ReMoEConfig.from_preset("micro", router=name, **kw)
     model = ReMoEForCausalLM(cfg)
@@ -256,7 +268,7 @@ def test_short_training_reaches_the_target_band(name, kw):
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, 512, (64,), generator=g)
     sparsity = []
-    for step in range(120):
+    for step in range(240):
         ids = (base[torch.randint(0, 64, (8, 33), generator=g)] + step) % 512
         out = model(ids, labels=ids)
         out.loss.backward()
@@ -268,8 +280,9 @@ def test_short_training_reaches_the_target_band(name, kw):
             router.after_step(counts_N, T)
         sparsity.append(1.0 - float(counts_LN.sum()) / (T * counts_LN.numel()))
     assert sparsity[0] < 0.7
-    tail = sum(sparsity[-40:]) / 40
-    assert abs(tail - 0.875) < 0.02, (tail, sparsity[-10:])
+    tail = sum(sparsity[-80:]) / 80
+    band = TARGET_BAND[(name, kw.get("threshold_rule", "load"))]
+    assert abs(tail - 0.875) < band, (tail, sparsity[-10:])
 
 
 @pytest.mark.parametrize("name,extra", [("relu_threshold", {}),
