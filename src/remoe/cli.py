@@ -14,7 +14,7 @@ import sys
 from remoe.errors import ConfigError
 
 COMMANDS = {
-    "data": ("remoe.data.cli", "build the corpus, tokenizer and token cache"),
+    "data": ("remoe.datacli", "build the corpus, tokenizer and token cache"),
     "train": ("remoe.train.cli", "train a model from a YAML config (with --set overrides)"),
     "eval": ("remoe.eval.cli", "validation loss per domain and zero-shot tasks via lm-eval"),
     "analyze": ("remoe.lab.analysis.cli", "the paper's analyses of a run: stages, sparsity, flips, routing"),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from remoe import safeyaml
+from remoe.data.config import DataConfig
 from remoe.errors import ConfigError
 from remoe.model import registry
 from remoe.model.spec import PRESETS, TOKEN_IDS, ModelSpec, RoutingConfig, field_types
@@ -212,23 +213,13 @@ class AnalysisConfig:
         _check(self.calib_tokens >= 1, f"analysis.calib_tokens={self.calib_tokens!r} must be >= 1")
 
 
-def _data_config_cls():
-    from remoe.data import DataConfig
-
-    return DataConfig
-
-
 @dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
-    data: Any = None  # remoe.data.DataConfig
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
-
-    def __post_init__(self) -> None:
-        if self.data is None:
-            self.data = _data_config_cls()()
 
     @property
     def run_dir(self) -> Path:
@@ -442,7 +433,7 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
     cfg = ExperimentConfig(
         run=_build(RunConfig, raw.get("run", {}), "run"),
         model=model,
-        data=_build(_data_config_cls(), raw.get("data", {}), "data"),
+        data=_build(DataConfig, raw.get("data", {}), "data"),
         train=_build(TrainConfig, raw.get("train", {}), "train"),
         analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
     )

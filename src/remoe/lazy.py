@@ -1,5 +1,5 @@
 """Public names that load on first use (PEP 562), for the packages whose import must stay light
-(``remoe``, ``remoe.model``, ``remoe.lab.analysis``, ``remoe.eval``)."""
+(``remoe``, ``remoe.model``, ``remoe.data``, ``remoe.lab.analysis``, ``remoe.eval``)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from remoe.data import (SPLITS, DataConfig, load_documents, load_hf_tokenizer, l
 from remoe.data import shards as shards_mod
 from remoe.data import tokenizer as tok_mod
 from remoe.data._io import sha256_file
-from remoe.data.cli import add_arguments, run
+from remoe.datacli import add_arguments, run
 from remoe.data.errors import DataNotFoundError
 from remoe.data.shardstore import ShardedStore, file_problem
 from remoe.data.streambuild import STORE_DIR, STORE_FORMAT, all_files

@@ -43,7 +43,7 @@ def _rewrite_keeping_size_and_mtime(path: Path, offset: int, data: bytes) -> Non
 def test_changed_in_place_bin_is_verified_and_rebuilt_whole(tmp_path):
     """A token changed inside a held-out document of an in-place .bin (size and mtime kept):
     --verify finds it, and the next build's held-out copy is the new .bin's, never the old."""
-    from remoe.data.cli import main
+    from remoe.datacli import main
     from remoe.data.pipeline import load_prepared
     tok = _tokenizer(tmp_path)
     docs = _megatron_docs()
@@ -191,7 +191,7 @@ def test_a_full_disk_leaves_no_file_of_the_failed_unit(tmp_path, monkeypatch):
 
 
 def test_megatron_without_a_tokenizer_is_refused_before_any_work(tmp_path):
-    from remoe.data.cli import main
+    from remoe.datacli import main
     write_megatron(tmp_path / "mt", _megatron_docs(high=8000))
     args = ["--source", f"web={tmp_path / 'mt'}", "--cache-dir", str(tmp_path / "cache"),
             "--quiet", "--workers", "1"]

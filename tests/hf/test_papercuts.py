@@ -27,7 +27,7 @@ def test_named_pile_file_keeps_its_set_names(tmp_path):
 def test_remoe_data_takes_the_experiment_config(tmp_path, monkeypatch, capsys):
     import argparse
 
-    from remoe.data.cli import add_arguments, config_from_args
+    from remoe.datacli import add_arguments, config_from_args
     from remoe.experiment import load_config
 
     monkeypatch.chdir(tmp_path)

@@ -4,28 +4,37 @@ Entry point: :func:`prepare_data` with a :class:`DataConfig` builds (or reuses) 
 token store and returns a :class:`DataBundle` (tokenizer, domains, each split's
 :class:`~remoe.data.shardstore.ShardedStore`, resumable :class:`TrainBatches`, evaluation
 batches and raw held-out documents). See ``docs/DATA.md``.
+
+Light to import (PEP 562, as :mod:`remoe.model`): ``remoe.data.config`` is read by
+:mod:`remoe.experiment` without numpy or tokenizers; the names below load on first use.
 """
 
-from remoe.data.builtin import BUILTIN_DOMAINS, BUILTIN_SOURCES, read_austen_books
-from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
-from remoe.data.corpus import (Corpus, assign_splits, collect_corpus, iter_documents, parse_source,
-                               split_unit, write_documents)
-from remoe.data.documents import SPLITS, Document
-from remoe.data.pipeline import DataBundle, load_documents, load_prepared, prepare_data
-from remoe.data.rfiles import read_lazyload_db, read_rds
-from remoe.data.rserialize import RFormatError, RObject, unserialize
-from remoe.data.sampler import TrainBatches, eval_batches
-from remoe.data.store import Batch, ChunkTable
-from remoe.data.tokenizer import (EOS_TOKEN, load_hf_tokenizer, load_tokenizer, save_tokenizer,
-                                  train_tokenizer)
-from remoe.data.userdata import read_jsonl, read_user_source
+from __future__ import annotations
 
-__all__ = [
-    "BUILTIN_DOMAINS", "BUILTIN_SOURCES", "Batch", "ChunkTable", "Corpus", "DEFAULT_CACHE_DIR",
-    "DataBundle", "DataConfig", "Document", "EOS_TOKEN", "RFormatError", "RObject", "SPLITS",
-    "TrainBatches", "assign_splits", "collect_corpus", "eval_batches", "iter_documents",
-    "load_documents", "load_hf_tokenizer", "load_prepared", "load_tokenizer",
-    "parse_source", "prepare_data", "read_austen_books", "read_jsonl", "read_lazyload_db",
-    "read_rds", "read_user_source", "save_tokenizer", "split_unit", "train_tokenizer",
-    "unserialize", "write_documents",
-]
+from remoe.lazy import lazy_names
+
+_LAZY = {
+    "BUILTIN_DOMAINS": "remoe.data.builtin", "BUILTIN_SOURCES": "remoe.data.builtin",
+    "read_austen_books": "remoe.data.builtin",
+    "DEFAULT_CACHE_DIR": "remoe.data.config", "DataConfig": "remoe.data.config",
+    "Corpus": "remoe.data.corpus", "assign_splits": "remoe.data.corpus",
+    "collect_corpus": "remoe.data.corpus", "iter_documents": "remoe.data.corpus",
+    "parse_source": "remoe.data.corpus", "split_unit": "remoe.data.corpus",
+    "write_documents": "remoe.data.corpus",
+    "SPLITS": "remoe.data.documents", "Document": "remoe.data.documents",
+    "DataBundle": "remoe.data.pipeline", "load_documents": "remoe.data.pipeline",
+    "load_prepared": "remoe.data.pipeline", "prepare_data": "remoe.data.pipeline",
+    "read_lazyload_db": "remoe.data.rfiles", "read_rds": "remoe.data.rfiles",
+    "RFormatError": "remoe.data.rserialize", "RObject": "remoe.data.rserialize",
+    "unserialize": "remoe.data.rserialize",
+    "TrainBatches": "remoe.data.sampler", "eval_batches": "remoe.data.sampler",
+    "Batch": "remoe.data.store", "ChunkTable": "remoe.data.store",
+    "EOS_TOKEN": "remoe.data.tokenizer", "load_hf_tokenizer": "remoe.data.tokenizer",
+    "load_tokenizer": "remoe.data.tokenizer", "save_tokenizer": "remoe.data.tokenizer",
+    "train_tokenizer": "remoe.data.tokenizer",
+    "read_jsonl": "remoe.data.userdata", "read_user_source": "remoe.data.userdata",
+}
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
+
+__all__ = sorted(_LAZY)

@@ -1,5 +1,8 @@
 """``remoe data``: build (or verify) the corpus, tokenizer and token cache, print a summary.
 
+A command above ``remoe.experiment`` (``remoe data CONFIG`` reads an experiment's data
+section), so it lives beside ``remoe/cli.py``, not inside the ``data`` package it drives.
+
 ``remoe data CONFIG [--set data.x=v ...]`` takes the experiment config ``remoe train CONFIG``
 takes, with the same overrides, and builds exactly the cache training will use (its ``data:``
 section, ``cache_dir`` resolved from the working directory as training does). Without a
@@ -12,9 +15,12 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
+from remoe.configfile import config_path
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
 from remoe.errors import ConfigError
+from remoe.experiment import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,11 +73,6 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
             raise ConfigError(f"{given[0]} cannot be combined with an experiment config: use "
                               f"--set data.{next(f for f, o in _OPTIONS.items() if o == given[0])}"
                               "=VALUE, so that training uses the same cache")
-        from pathlib import Path
-
-        from remoe.configfile import config_path
-        from remoe.experiment import load_config
-
         data = load_config(config_path(args.config, args.overrides), args.overrides).data
         data.cache_dir = str(Path(data.cache_dir).resolve())  # as the trainer resolves it
         return data
@@ -113,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args).validate()
         extra = _build_options(args)
         if getattr(args, "verify", False):
-            from pathlib import Path
-
             from remoe.data.cachelock import locked
             from remoe.data.streambuild import verify_store
 
