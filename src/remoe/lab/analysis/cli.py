@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from remoe.lab.analysis import domains_cli
 from remoe.lab.analysis.common import ANALYSES, Options  # light: `remoe analyze --help` is fast
 from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 from remoe.errors import ConfigError
@@ -29,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "  remoe analyze runs/tiny-remoe\n"
                 "  remoe analyze stages runs/tiny-remoe --settle-tol 0.02\n"
                 "  remoe analyze flips runs/remoe runs/moe      (two runs on one plot)\n"
-                "  remoe analyze heatmap,allocation runs/tiny-remoe --max-tokens 200000")
+                "  remoe analyze heatmap,allocation runs/tiny-remoe --max-tokens 200000\n"
+                "  remoe analyze domains runs/topk runs/remoe --out spec/   (domain "
+                "specialisation from the routing masks, with a shuffle null)")
     p.add_argument("items", nargs="+", metavar="[WHAT] RUN",
                    help="optional analysis name(s), then the run directory and comparison runs")
     p.add_argument("--what", default=None, help="comma list of analyses (default: all)")
@@ -37,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="other runs to overlay (flip rates)")
     p.add_argument("--out", default=None, help="output directory (default RUN/analysis)")
     add_analysis_options(p)
+    domains_cli.add_arguments(p)
 
 
 def add_analysis_options(p: argparse.ArgumentParser, checkpoint: bool = True) -> None:
@@ -145,6 +149,8 @@ def run(args) -> int:
     from remoe.lab.analysis.runlog import Run
     from remoe.machine.threads import fix_threads
 
+    if args.items[0] == domains_cli.NAME and not Path(domains_cli.NAME).exists():
+        return domains_cli.run(args, args.items[1:])  # numpy on the recorded masks, no model
     what, runs = parse_items(args.items, args.what)
     fix_threads("remoe analyze")  # the training policy: all usable cores, fixed; a load hint
     compare = runs[1:] + list(args.compare)

@@ -29,6 +29,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from remoe.lab.analysis.domainstats import cv_index_xL, cv_xLN, mi_bits_xL
 from remoe.lab.analysis.inactive import inactive_threshold
 from remoe.method.expertuse import effective_experts_of
 
@@ -126,25 +127,11 @@ class RoutingStats:
         if keep.size < 2:
             return nan
         r = self.domain_ratio_DLN()[keep]  # [Dm, L, N]
-        mean = r.mean(0)
-        std = r.std(0)
-        ok = mean > 0
-        cv = np.where(ok, std / np.where(ok, mean, 1.0), np.nan)
-        per_layer_cv = [float(np.nanmean(cv[l])) if ok[l].any() else float("nan")
-                        for l in range(cv.shape[0])]
-        mi = []
-        for l in range(r.shape[1]):
-            tot = r[:, l].sum(1, keepdims=True)  # [Dm, 1]
-            if (tot <= 0).any():
-                mi.append(float("nan"))
-                continue
-            p = r[:, l] / tot  # p(e | d)
-            pbar = p.mean(0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                terms = np.where(p > 0, p * np.log2(p / pbar), 0.0)
-            mi.append(float(terms.sum(1).mean()))
-        return {"index": float(np.nanmean(cv)) if ok.any() else float("nan"),
-                "index_per_layer": per_layer_cv,
+        cv = cv_xLN(r)
+        mi = [float(v) for v in mi_bits_xL(r)]
+        with np.errstate(invalid="ignore"):
+            index = float(np.nanmean(cv)) if np.isfinite(cv).any() else float("nan")
+        return {"index": index, "index_per_layer": [float(v) for v in cv_index_xL(r)],
                 "mi_bits": float(np.nanmean(mi)) if np.isfinite(mi).any() else float("nan"),
                 "mi_bits_per_layer": mi, "num_domains": int(keep.size)}
 
