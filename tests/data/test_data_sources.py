@@ -10,7 +10,9 @@ import pytest
 import zstandard
 
 from remoe.data import builtin
-from remoe.data.corpus import collect_corpus, parse_source
+from remoe.data.corpus import parse_source
+from remoe.data.docstream import stream_documents
+from remoe.data.plan import build_plan
 from remoe.data.userdata import read_jsonl, read_user_source
 
 RECORDS = [
@@ -20,6 +22,18 @@ RECORDS = [
     {"text": "meta without a set name", "meta": {"other": 1}},
     {"text": "carriage\r\nreturns\r\n", "meta": {"pile_set_name": "Github"}},
 ]
+
+
+def _stream(sources, max_bytes, tmp_path, found=None):
+    """The kept documents of ``sources`` (the streaming path every build reads)."""
+    return list(stream_documents(list(sources), max_bytes, tmp_path / "spill", found))
+
+
+def _by_domain(docs):
+    out = {}
+    for d in docs:
+        out.setdefault(d.domain, []).append(d)
+    return out
 
 
 def _write_jsonl(path, records, extra_lines=()):
@@ -76,9 +90,9 @@ def test_txt_directory_domains_and_override(tmp_path):
 
     spec = parse_source(f"verse={root / 'poems'}")
     assert spec.domain == "verse" and spec.path == str(root / "poems")
-    named = collect_corpus([f"verse={root / 'poems'}"], 10_000)
-    assert named.domains == ["verse"]
-    assert [d.text for d in named.docs["verse"]] == ["violets are blue\n", "roses are red\n"]
+    named = _stream([f"verse={root / 'poems'}"], 10_000, tmp_path)
+    assert {d.domain for d in named} == {"verse"}
+    assert [d.text for d in named] == ["violets are blue\n", "roses are red\n"]
 
 
 def test_budget_dedup_and_determinism(tmp_path):
@@ -88,32 +102,38 @@ def test_budget_dedup_and_determinism(tmp_path):
         (d / f"{i:02d}.txt").write_text(f"document number {i} " * 10 + "\n")  # ~220 bytes
     (d / "dup.txt").write_text((d / "03.txt").read_text())
     (d / "empty.txt").write_text("  \n\n")
-    full = collect_corpus([str(d)], 1_000_000)
-    assert len(full.docs["dom"]) == 20  # duplicate and blank file dropped
-    small = collect_corpus([str(d)], 1000)
-    nbytes = small.num_bytes()["dom"]
-    assert 0 < nbytes <= 1000 and len(small.docs["dom"]) == 5  # 181-byte docs
-    again = collect_corpus([str(d)], 1000)
-    assert again.fingerprints() == small.fingerprints()
-    assert full.fingerprints() != small.fingerprints()
+    full = _stream([str(d)], 1_000_000, tmp_path)
+    assert len(full) == 20  # duplicate and blank file dropped
+    assert "dom/dup.txt" not in {x.key for x in full}  # the first occurrence wins
+    small = _stream([str(d)], 1000, tmp_path)
+    nbytes = sum(x.num_bytes for x in small)
+    assert 0 < nbytes <= 1000 and len(small) == 5  # 181-byte docs
+    again = _stream([str(d)], 1000, tmp_path)
+    assert [(x.key, x.text) for x in again] == [(x.key, x.text) for x in small]
+    assert [x.key for x in full[:5]] == [x.key for x in small]
 
 
 def test_bad_source_specs(tmp_path):
     with pytest.raises(ValueError, match="unknown built-in domain"):
         parse_source("builtin:poetry")
     with pytest.raises(FileNotFoundError):
-        collect_corpus([str(tmp_path / "missing")], 1000)
+        _stream([str(tmp_path / "missing")], 1000, tmp_path)
 
 
-def test_missing_builtin_source_warns_with_install_command(monkeypatch, caplog, txt_corpus):
+def test_missing_builtin_source_warns_with_install_command(monkeypatch, caplog, txt_corpus,
+                                                           tmp_path):
     monkeypatch.setattr(builtin, "foldoc_paths", lambda: None)
+    found = {}
     with caplog.at_level(logging.WARNING, logger="remoe.data"):
-        c = collect_corpus(["builtin:encyclopedia", str(txt_corpus)], 5000)
+        docs = _stream(["builtin:encyclopedia", str(txt_corpus)], 5000, tmp_path, found)
     assert "apt-get install dict-foldoc" in caplog.text
-    assert c.sources_missing == ["foldoc"]
-    assert "encyclopedia" not in c.domains and c.domains == ["alpha", "beta", "gamma"]
+    assert found["missing"] == ["foldoc"]
+    assert sorted(_by_domain(docs)) == ["alpha", "beta", "gamma"]
+    found = {}
+    sources = ["builtin:encyclopedia"]
     with pytest.raises(FileNotFoundError, match="apt-get install dict-foldoc"):
-        collect_corpus(["builtin:encyclopedia"], 5000)
+        build_plan(stream_documents(sources, 5000, tmp_path / "spill", found), tmp_path,
+                   0.1, 0.1, sources, found)
 
 
 def test_dictd_number_decoding():
@@ -123,19 +143,20 @@ def test_dictd_number_decoding():
     assert builtin.dictd_number("Gb9L") == ((6 * 64 + 27) * 64 + 61) * 64 + 11
 
 
-def test_builtin_corpus_small_budget_is_deterministic():
+def test_builtin_corpus_small_budget_is_deterministic(tmp_path):
     """Each installed built-in domain yields documents within budget, identically twice."""
-    c1 = collect_corpus(["builtin"], 40_000)
-    c2 = collect_corpus(["builtin"], 40_000)
-    assert c1.fingerprints() == c2.fingerprints()
-    expected = {s.domain for s in builtin.BUILTIN_SOURCES if s.name in c1.sources_used}
-    assert set(c1.domains) == expected and expected
-    for dom, n in c1.num_bytes().items():
-        assert 0 < n <= 40_000, dom
-    if "foldoc" in c1.sources_used:
-        text = "\n".join(d.text for d in c1.docs["encyclopedia"])
+    found = {}
+    c1 = _stream(["builtin"], 40_000, tmp_path, found)
+    c2 = _stream(["builtin"], 40_000, tmp_path)
+    assert [(d.key, d.text) for d in c1] == [(d.key, d.text) for d in c2]
+    docs = _by_domain(c1)
+    expected = {s.domain for s in builtin.BUILTIN_SOURCES if s.name in found["used"]}
+    assert set(docs) == expected and expected
+    for dom, ds in docs.items():
+        assert 0 < sum(d.num_bytes for d in ds) <= 40_000, dom
+    if "foldoc" in found["used"]:
+        text = "\n".join(d.text for d in docs["encyclopedia"])
         assert "00-database" not in text
-    if "cpython-stdlib" in c1.sources_used:
-        assert all(d.key.startswith("cpython/") and d.key.endswith(".py")
-                   for d in c1.docs["code"])
-        assert not any("/test/" in d.key or "site-packages" in d.key for d in c1.docs["code"])
+    if "cpython-stdlib" in found["used"]:
+        assert all(d.key.startswith("cpython/") and d.key.endswith(".py") for d in docs["code"])
+        assert not any("/test/" in d.key or "site-packages" in d.key for d in docs["code"])

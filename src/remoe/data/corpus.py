@@ -1,4 +1,5 @@
-"""Collecting a corpus from source specs, byte budgets, deduplication and document splits.
+"""Source specs and document splits (the budgets, deduplication and stream order of the
+documents they name: :mod:`remoe.data.docstream`).
 
 Source specs (``DataConfig.sources``):
 
@@ -20,21 +21,15 @@ the fraction is 0.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from remoe.data._io import atomic_open, stable_hash, stable_unit
-from remoe.data.builtin import BUILTIN_DOMAINS, BuiltinSource, builtin_sources
+from remoe.data._io import atomic_open, stable_unit
+from remoe.data.builtin import BUILTIN_DOMAINS
 from remoe.data.documents import SPLITS, Document
-from remoe.data.errors import DataNotFoundError
-from remoe.data.userdata import read_user_source
-
-log = logging.getLogger("remoe.data")
 
 _NAMED_SPEC = re.compile(r"^([A-Za-z0-9_.+-]+)=(.+)$")
 
@@ -79,142 +74,6 @@ def parse_source(spec: str) -> SourceSpec:
     if m and not Path(s).exists():
         return SourceSpec("path", path=m.group(2), domain=m.group(1), options=options)
     return SourceSpec("path", path=s, options=options)
-
-
-@dataclass
-class Corpus:
-    """Documents per domain (sorted by key) plus what was found and skipped."""
-
-    docs: dict[str, list[Document]]
-    sources_used: list[str] = field(default_factory=list)
-    sources_missing: list[str] = field(default_factory=list)
-    licences: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def domains(self) -> list[str]:
-        return sorted(self.docs)
-
-    def fingerprints(self) -> dict[str, str]:
-        """sha256 of each domain's documents (keys and texts, in order)."""
-        out = {}
-        for dom in self.domains:
-            h = hashlib.sha256()
-            for d in self.docs[dom]:
-                for part in (d.key, d.text):
-                    b = part.encode("utf-8")
-                    h.update(len(b).to_bytes(8, "little"))
-                    h.update(b)
-            out[dom] = h.hexdigest()
-        return out
-
-    def num_bytes(self) -> dict[str, int]:
-        return {dom: sum(d.num_bytes for d in self.docs[dom]) for dom in self.domains}
-
-
-class _Budget:
-    """Greedy per-domain byte budget with exact-duplicate removal."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.used: dict[str, int] = {}
-        self.docs: dict[str, list[Document]] = {}
-        self.seen_text: set[bytes] = set()
-        self.seen_key: dict[tuple[str, str], int] = {}
-        self.duplicates = 0
-        self.over_budget = 0
-        self.too_big: list[int] = []  # sizes of documents larger than the whole budget
-
-    def full(self, domain: str) -> bool:
-        # stop scanning once less than 0.5% of the budget is left
-        return self.max_bytes - self.used.get(domain, 0) < max(1, self.max_bytes // 200)
-
-    def offer(self, doc: Document, user: bool = False) -> bool:
-        if not doc.text.strip():
-            return False
-        n = doc.num_bytes
-        used = self.used.get(doc.domain, 0)
-        if used + n > self.max_bytes:
-            self.over_budget += 1
-            if user and n > self.max_bytes:  # (a built-in source's big files are expected)
-                self.too_big.append(n)
-            return False
-        digest = hashlib.blake2b(doc.text.encode("utf-8"), digest_size=16).digest()
-        if digest in self.seen_text:
-            self.duplicates += 1
-            return False
-        self.seen_text.add(digest)
-        k = (doc.domain, doc.key)
-        count = self.seen_key.get(k, 0) + 1
-        self.seen_key[k] = count
-        if count > 1:  # same key from two sources: keep both, disambiguated
-            doc = Document(doc.domain, f"{doc.key}#{count}", doc.text)
-        self.used[doc.domain] = used + n
-        self.docs.setdefault(doc.domain, []).append(doc)
-        return True
-
-
-def budget_order(source: BuiltinSource, cands: list) -> list:
-    return sorted(cands, key=lambda c: (stable_hash("budget-order", source.domain, c.key), c.key))
-
-
-def collect_corpus(sources: Iterable[str], max_bytes_per_domain: int) -> Corpus:
-    """Read every source spec into a :class:`Corpus` within the per-domain byte budget.
-
-    Missing built-in sources are logged as warnings with their install command; raises
-    :class:`DataNotFoundError` (a ConfigError and a FileNotFoundError) naming the sources if
-    nothing at all was found.
-    """
-    specs = [parse_source(s) for s in sources]
-    budget = _Budget(max_bytes_per_domain)
-    used: list[str] = []
-    missing: list[str] = []
-    licences: dict[str, str] = {}
-    seen_builtin: set[str] = set()
-    for spec in specs:
-        if spec.kind == "builtin":
-            for src in builtin_sources(spec.domains):
-                if src.name in seen_builtin:
-                    continue
-                seen_builtin.add(src.name)
-                cands = src.candidates()
-                if cands is None:
-                    log.warning("built-in source %r (domain %r) not found; install it with: %s "
-                                "-- building without it", src.name, src.domain, src.install)
-                    missing.append(src.name)
-                    continue
-                used.append(src.name)
-                licences[src.name] = src.licence
-                for cand in budget_order(src, cands):
-                    if budget.full(src.domain):
-                        break
-                    text = cand.load()
-                    if text is not None:
-                        budget.offer(Document(src.domain, cand.key, text))
-        else:
-            assert spec.path is not None
-            used.append(spec.describe())
-            for doc in read_user_source(spec.path, spec.domain):
-                budget.offer(doc, user=True)
-    big = ""
-    if budget.too_big:
-        big = (f"{len(budget.too_big)} document(s) skipped: each is larger than "
-               f"data.max_bytes_per_domain={max_bytes_per_domain:,} (largest "
-               f"{max(budget.too_big):,} bytes); raise data.max_bytes_per_domain or split them")
-    if not budget.docs:
-        if big:
-            raise DataNotFoundError(f"no documents found in data sources {list(sources)}: {big}")
-        hint = ""
-        if missing:
-            cmds = sorted({s.install for s in builtin_sources() if s.name in missing})
-            hint = " Install a built-in source: " + "; ".join(cmds)
-        raise DataNotFoundError(f"no documents found in data sources {list(sources)} (no "
-                                f"non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz document).{hint}")
-    if budget.duplicates:
-        log.info("dropped %d exact duplicate documents", budget.duplicates)
-    if big:
-        log.warning("%s", big)
-    docs = {dom: sorted(ds, key=lambda d: d.key) for dom, ds in sorted(budget.docs.items())}
-    return Corpus(docs, used, missing, licences)
 
 
 # -- splits ---------------------------------------------------------------------------------------

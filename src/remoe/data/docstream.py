@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from remoe.data.builtin import BuiltinSource, builtin_sources
-from remoe.data.corpus import SourceSpec, budget_order, parse_source
-from remoe.data._io import atomic_open
+from remoe.data.corpus import SourceSpec, parse_source
+from remoe.data._io import atomic_open, stable_hash
 from remoe.data.dedup import RecordedFingerprints, ReplayedFingerprints, SeenFingerprints
 from remoe.data.documents import Document
 from remoe.data.userdata import Warn, read_user_source
@@ -58,6 +58,11 @@ class StreamBudget:
             return False
         self.used_bytes[doc.domain] = used + n
         return True
+
+
+def budget_order(source: BuiltinSource, cands: list) -> list:
+    """The order a built-in source's candidates are offered to the budget (seed-free)."""
+    return sorted(cands, key=lambda c: (stable_hash("budget-order", source.domain, c.key), c.key))
 
 
 def _builtin_docs(spec: SourceSpec, budget: StreamBudget, seen_sources: set[str],

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from remoe.data._io import atomic_open, atomic_write_json, read_json
+from remoe.data.builtin import builtin_sources
 from remoe.data.corpus import split_unit
 from remoe.data.documents import SPLITS
 from remoe.data.errors import DataError, DataNotFoundError
@@ -117,8 +118,11 @@ def build_plan(docs: Iterable[Any], directory: Path, val_fraction: float, test_f
                f"{(found.get('max_bytes') or [0])[0]:,} (largest {max(big):,} bytes); raise "
                "data.max_bytes_per_domain or split them") if big else ""
     if n == 0:
+        missing = found.get("missing") or []
+        install = sorted({s.install for s in builtin_sources() if s.name in missing})
+        hint = f". Install a built-in source: {'; '.join(install)}" if install else ""
         extra = (f": {too_big}" if big else
-                 " (no non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz/.parquet document)")
+                 " (no non-empty .txt/.jsonl/.jsonl.zst/.jsonl.gz/.parquet document)" + hint)
         raise DataNotFoundError(f"no documents found in data sources {list(sources)}{extra}")
     if too_big:
         log.warning("%s", too_big)
