@@ -25,19 +25,13 @@ all-reduce of N+1 numbers per layer and step when distributed)::
 ``decay`` is ``model.threshold_ema_decay``; before the first update ``qbar`` is ``1/N`` (the
 score of a uniform router).
 
-The load correction is this codebase's addition (``model.threshold_rate``; 0 gives the EMA
-quantiles alone): a quantile measured before an optimizer step is applied after it, and at
-this scale's learning rates each step moves the scores by a sizeable part of their spread, in
-the direction that opens experts (the gate multiplies a useful expert's output), so the EMA
-quantiles alone let the density run over k/E (measured: sparsity 0.67-0.80 instead of 0.875 on
-a micro model at lr 3e-3, tests/model/test_router_thresholds.py). ``u_e`` integrates the
-step's relative load error from the all-reduced counts, ``u_e += rate * (c_e / (k T / E) -
-1)``, as ``relu_threshold`` does for its additive thresholds (here multiplicative: scores are
-positive and their scale changes as the router sharpens).
-
-``qbar_N``, ``u_N`` (fp32) and the update count (int64) are persistent buffers: saved with the
-model, restored on resume. What else is adapted from the paper, whose exact constants were not
-available here, is listed in docs/ROUTERS.md.
+The load correction ``u_e += rate * (c_e / (k T / E) - 1)`` (``model.threshold_rate``; 0
+gives the EMA quantiles alone) is this codebase's addition: it integrates the step's relative
+load error from the all-reduced counts, multiplicatively (scores are positive and their scale
+changes as the router sharpens). ``qbar_N``, ``u_N`` (fp32) and the update count (int64) are
+persistent buffers: saved with the model, restored on resume. Why the correction (the EMA
+quantiles alone ran too dense at these learning rates), what was measured and what else is
+adapted from the paper: docs/ROUTERS.md, "Penalty-free sparsity control".
 """
 
 from __future__ import annotations

@@ -2,47 +2,24 @@
 
 Legend: T tokens, D model width, N experts (E*G).
 
-Gates ``ReLU(x W - theta_N)``: ``theta_N`` is one threshold per expert, a persistent fp32
-buffer (saved with the model, restored on resume, never touched by the optimizer). There is no
-regularisation term (``reg_loss = 0``, no lambda controller: the router does not declare
-``uses_adaptive_reg``) and no auxiliary loss. After every optimizer step the trainer hands the
-router its layer's tokens per expert ``c_N`` and the step's token count ``T``, both summed over
-micro-batches and data-parallel ranks (:meth:`Router.after_step`; every rank sees
-the same numbers, so every rank makes the same step), and each threshold moves in proportion to
-its expert's relative load error, the load over its target ``k T / E`` (``k/E`` of the tokens,
-for any G) minus one::
+Gates ``ReLU(x W - theta_N)``, ``theta_N`` one threshold per expert: a persistent fp32 buffer
+(saved with the model, restored on resume, never touched by the optimizer). No regularisation
+term (no lambda controller: the router does not declare ``uses_adaptive_reg``) and no
+auxiliary loss. After every optimizer step (:meth:`Router.after_step`) each threshold moves in
+proportion to its expert's relative load error, from the step's tokens per expert ``c_N`` and
+token count ``T`` (summed over micro-batches and data-parallel ranks: every rank makes the same
+step)::
 
-    theta_e += rate * (c_e / (k T / E) - 1)
+    theta_e += rate * (c_e / (k T / E) - 1)                  threshold_rule: load (default)
+    theta_N = qbar_N + u_N,   u_e += rate * (c_e / (k T / E) - 1)     threshold_rule: quantile
 
-An expert over its target raises its threshold, one under it lowers it. The step is not
-centred: the thresholds do not sum to a constant, so their mean sets the layer's density
-(1 - S) and each one sets its expert's share. ``rate`` is ``model.threshold_rate``. This is
-``model.threshold_rule: load``, the default.
-
-``model.threshold_rule: quantile`` also follows the logits: each threshold is the moving average
-of its expert's capacity quantile of the logits (the logit that exactly ``k T / E`` of a
-micro-batch's tokens exceed, :mod:`remoe.model.routers.thresholds`, as ``expert_threshold``
-does with softmax scores; decay ``model.threshold_ema_decay``) plus an additive correction that
-integrates the same load error::
-
-    theta_N = qbar_N + u_N,   u_e += rate * (c_e / (k T / E) - 1)
-
-Without a penalty the LM gradient moves each expert's logits as a whole, and the load rule's
-integrator lags such a drift by ``drift / rate`` (it ran too dense over a long run,
-docs/ROUTERS.md); the quantile moves with the logits, and the correction is left with the
-one-step lag only. Its state (``quantile_N``, ``correction_N``, ``threshold_updates``) exists
-only under this rule, so the default router's state dict is unchanged. Measured: it holds the
-density but trains badly (without the L1 term the gates grow large; docs/ROUTERS.md), so it is
-an option kept with its negative result, not a recommendation.
-
-Why this rule (docs/ROUTERS.md): proportional to the error, it rests at the target (the sign
-rule of ``topk_auxfree`` never does: it moves +-rate every step, a limit cycle whose amplitude
-is set by the rate); linear in the load, its fixed point is a *mean* load equal to the target
-even when the loads vary from step to step with the batch's content (a step in the log of the
-load ratio settles where the mean log load is on target, i.e. the mean load above it: Jensen;
-measured with lag included: 0.84 for a target of 0.875 on the study backbone); ``theta``
-integrates the error, so a constant load error cannot persist; an expert with no token steps
-down by ``rate`` every step until tokens clear its threshold again (no revival hinge needed).
+``rate`` is ``model.threshold_rate``. Under ``quantile``, ``qbar_N`` is the moving average
+(``model.threshold_ema_decay``) of each expert's capacity quantile of the logits
+(:mod:`remoe.model.routers.thresholds`); its state (``quantile_N``, ``correction_N``,
+``threshold_updates``) exists only under that rule, so a ``load`` model's state dict is
+unchanged. Why this rule, and what was measured (``load`` runs too dense, ``quantile`` holds the
+density but trains badly: kept as a negative result): docs/ROUTERS.md, "Penalty-free sparsity
+control".
 """
 
 from __future__ import annotations
