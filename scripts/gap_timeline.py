@@ -4,8 +4,8 @@
     python scripts/gap_timeline.py results/long_micro --pairs relu:topk relu_rec:topk \
         --seeds 0 1 --out results/long_micro/gap_timeline.json
 
-Reads only committed run outputs (``RUN/metrics.jsonl.gz``, ``RUN/eval.jsonl`` under
-``STUDY/runs``). For each pair ``a:b`` and seed ``s`` it compares run ``a-s<s>`` with run
+Reads only committed run outputs (``metrics.jsonl`` and ``eval.jsonl`` of each
+``STUDY/runs/RUN/run.zip``, or of the run directory). For each pair ``a:b`` and seed ``s`` it compares run ``a-s<s>`` with run
 ``b-s<s>`` over windows of ``--window`` steps:
 
 - train LM loss gap: the mean over the window of ``lm_loss(a) - lm_loss(b)`` at the same step
@@ -23,26 +23,19 @@ penalty's share does (docs/RESULTS.md, "Why ReMoE trails on the micro preset").
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 from pathlib import Path
 
+from remoe.lab.analysis.runlog import run_jsonl
+
 
 def _metrics(run_dir: Path) -> list[dict]:
-    with gzip.open(run_dir / "metrics.jsonl.gz", "rt") as f:
-        return [json.loads(line) for line in f]
+    return run_jsonl(run_dir, "metrics.jsonl")
 
 
 def _evals(run_dir: Path) -> dict[int, float]:
-    path = run_dir / "eval.jsonl"
-    if not path.is_file():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        out[int(row["step"])] = float(row["val_loss"])
-    return out
+    return {int(row["step"]): float(row["val_loss"]) for row in run_jsonl(run_dir, "eval.jsonl")}
 
 
 def timeline(runs: Path, a: str, b: str, window: int) -> dict:
@@ -130,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in args.seeds:
             ra, rb = f"{a}-s{s}", f"{b}-s{s}"
             for name in (ra, rb):
-                if not (runs / name / "metrics.jsonl.gz").is_file():
-                    p.error(f"--pairs: {runs / name / 'metrics.jsonl.gz'} does not exist")
+                if not _metrics(runs / name):
+                    p.error(f"--pairs: {runs / name} has no metrics")
             result = timeline(runs, ra, rb, args.window)
             result["phases"] = phases(result, tuple(args.early), tuple(args.late))
             results.append(result)

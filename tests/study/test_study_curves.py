@@ -10,12 +10,14 @@ import json
 import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from remoe.errors import ConfigError
+from remoe.lab.analysis.runlog import run_json
 from remoe.lab.study.curves import Curve, crossover, label_curve, run_curve
 from remoe.lab.study.runner import Study
 from remoe.lab.study.spec import load_spec
@@ -115,9 +117,10 @@ def test_results_only_rebuilds_from_committed_copies_without_run_directories(wri
     committed = tmp_path / "committed"
     for name in ("topk-s0", "topk-s1", "relu-s0", "relu-s1"):
         d = committed / "runs" / name
-        assert {p.name for p in d.iterdir()} >= {"config.yaml", "summary.json", "eval.jsonl",
-                                                 "metrics.jsonl.gz", "study_run.json"}
-        assert not (d / "checkpoints").exists()
+        assert [p.name for p in d.iterdir()] == ["run.zip"]  # one file per run
+        with zipfile.ZipFile(d / "run.zip") as z:
+            assert set(z.namelist()) >= {"config.yaml", "summary.json", "eval.jsonl",
+                                         "metrics.jsonl", "study_run.json"}
     first = _columns(committed / "results.csv")
     assert (committed / "results.md").is_file() and (committed / "curves.csv").is_file()
     # a new machine: the study directory (runs, checkpoints, study.json) is gone
@@ -234,7 +237,7 @@ def test_each_run_is_copied_the_moment_it_is_done(write_spec, tmp_path):
         copied = copy(r)
         runs = tmp_path / "committed" / "runs"
         seen.append((r.name, sorted(p.name for p in runs.iterdir())))
-        wall = json.loads((runs / r.name / "study_run.json").read_text())
+        wall = run_json(runs / r.name, "study_run.json")
         assert wall["total_wall_s"] > 0
         return copied
 
@@ -252,28 +255,43 @@ def _write_masks(routing: Path, steps, rng) -> None:
                             step=np.array(st))
 
 
-def test_a_committed_copy_keeps_its_masks_in_one_archive_read_like_the_loose_files(tmp_path):
+def test_a_committed_copy_is_one_archive_read_like_the_run_directory(tmp_path):
     from remoe.lab.analysis.runlog import Run, load_masks
     from remoe.lab.study.archive import export_run, pack_committed
 
     run = tmp_path / "run"
     _write_run(run, [(10, 4.0)])
-    (run / "summary.json").write_text("{}")
+    (run / "summary.json").write_text('{"steps": 10}')
     _write_masks(run / "routing", (0, 5, 10), np.random.default_rng(0))
     loose = [(s, load_masks(m)) for s, m in Run(run).mask_files()]
 
     a = export_run(run, tmp_path / "copies" / "a")
     b = export_run(run, tmp_path / "copies" / "b")
-    assert not (a / "routing").exists() and (a / "routing.zip").is_file()
-    assert (a / "routing.zip").read_bytes() == (b / "routing.zip").read_bytes()  # deterministic
+    assert [p.name for p in a.iterdir()] == ["run.zip"]
+    assert (a / "run.zip").read_bytes() == (b / "run.zip").read_bytes()  # deterministic
     packed = [(s, load_masks(m)) for s, m in Run(a).mask_files()]
     assert [s for s, _ in packed] == [s for s, _ in loose] == [0, 5, 10]
     for (_, x), (_, y) in zip(loose, packed):
         assert all(np.array_equal(u, v) for u, v in zip(x, y))
+    assert Run(a).summary == {"steps": 10} and Run(a).evals == Run(run).evals
+    assert list(Run(a).metrics["lm_loss"]) == list(Run(run).metrics["lm_loss"])
 
-    # an older copy with a loose routing/ directory is packed in place, to the same bytes
-    old = tmp_path / "old"
-    shutil.copytree(run, old)
-    assert pack_committed(old) and not (old / "routing").exists()
-    assert (old / "routing.zip").read_bytes() == (a / "routing.zip").read_bytes()
-    assert not pack_committed(old)
+    # an older copy (loose files, metrics.jsonl.gz, the masks loose or in routing.zip) is
+    # packed in place, to the bytes export_run writes
+    for masks in ("routing", "routing.zip"):
+        old = tmp_path / f"old-{masks}"
+        shutil.copytree(run, old, ignore=shutil.ignore_patterns("metrics.jsonl"))
+        (old / "metrics.jsonl.gz").write_bytes(gzip.compress((run / "metrics.jsonl").read_bytes()))
+        (old / "study_run.json").write_text("{}\n")
+        if masks == "routing.zip":
+            with zipfile.ZipFile(old / "routing.zip", "w") as z:
+                for p in sorted((old / "routing").glob("*.npz")):
+                    z.write(p, p.name)
+            shutil.rmtree(old / "routing")
+        assert pack_committed(old) and [p.name for p in old.iterdir()] == ["run.zip"]
+        assert (old / "run.zip").read_bytes() == (a / "run.zip").read_bytes()
+        assert not pack_committed(old)
+    # a file no run copy holds is not packed (nor deleted)
+    (old / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        pack_committed(old)

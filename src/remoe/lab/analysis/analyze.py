@@ -46,7 +46,7 @@ def fingerprint(run: Run, opts: Options) -> dict[str, Any]:
 
     files: dict[str, Any] = {}
     for name in ("metrics.jsonl", "metrics.jsonl.gz", "eval.jsonl", "summary.json",
-                 "config.yaml"):
+                 "config.yaml", "run.zip"):
         p = run.path / name
         files[name] = [p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else None
     files["routing"] = [[s, m.size] for s, m in run.mask_files()]

@@ -2,8 +2,10 @@
 
 Everything is read lazily and cached on the :class:`Run`: ``metrics.jsonl`` as column arrays,
 ``eval.jsonl``, ``config.yaml``, ``summary.json``, ``eval_results.json`` and the
-``routing/masks_<step>.npz`` series (or their ``routing.zip`` archive). A truncated last JSONL line (a run still writing) is
-skipped; when a resumed run logged a step twice the last record of that step wins.
+``routing/masks_<step>.npz`` series. A committed study copy keeps the same files in one
+``run.zip`` (:mod:`remoe.lab.study.archive`); :func:`run_bytes` reads a file from either. A
+truncated last JSONL line (a run still writing) is skipped; when a resumed run logged a step
+twice the last record of that step wins.
 """
 
 from __future__ import annotations
@@ -24,12 +26,58 @@ import yaml
 from remoe.errors import ConfigError
 
 MASK_FILE = re.compile(r"^masks_(\d+)\.npz$")
-#: a committed study copy keeps its mask files in this one archive (stored, not recompressed)
+#: a committed study copy: every small file of the run in this one archive, the masks as
+#: ``routing/masks_<step>.npz`` members
+RUN_ARCHIVE = "run.zip"
+#: the older committed layouts: loose files, ``metrics.jsonl.gz``, the masks in ``routing.zip``
 ROUTING_ARCHIVE = "routing.zip"
+METRICS_GZ = "metrics.jsonl.gz"
+
+
+def run_bytes(run_dir: Path, name: str) -> bytes | None:
+    """The file ``name`` of a run: ``run_dir/name``, else the member ``name`` of
+    ``run_dir/run.zip`` (a committed study copy); None when neither exists."""
+    path = Path(run_dir) / name
+    if path.is_file():
+        return path.read_bytes()
+    packed = Path(run_dir) / RUN_ARCHIVE
+    if not packed.is_file():
+        return None
+    with zipfile.ZipFile(packed) as z:
+        return z.read(name) if name in z.NameToInfo else None
+
+
+def run_has(run_dir: Path, name: str) -> bool:
+    """Whether the run has the file ``name`` (loose, or in its ``run.zip``)."""
+    if (Path(run_dir) / name).is_file():
+        return True
+    packed = Path(run_dir) / RUN_ARCHIVE
+    if not packed.is_file():
+        return False
+    with zipfile.ZipFile(packed) as z:
+        return name in z.NameToInfo
+
+
+def run_json(run_dir: Path, name: str) -> Any:
+    """The JSON file ``name`` of a run (:func:`run_bytes`); None if absent or unparseable."""
+    data = run_bytes(run_dir, name)
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:
+        return None
+
+
+def run_jsonl(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The records of the JSONL file ``name`` of a run (:func:`run_bytes`; an older committed
+    copy's ``name.gz``); [] when absent."""
+    data = run_bytes(run_dir, name)
+    if data is None and (Path(run_dir) / f"{name}.gz").is_file():
+        return read_jsonl(Path(run_dir) / f"{name}.gz")
+    return parse_jsonl(data.decode("utf-8", errors="replace")) if data is not None else []
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (missing file: []; ``*.gz``: gzip-compressed, as the committed
+    """Records of a JSONL file (missing file: []; ``*.gz``: gzip-compressed, as older committed
     copies of study runs keep ``metrics.jsonl``); a line that does not parse is skipped."""
     if not path.is_file():
         return []
@@ -42,6 +90,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             return []
     else:
         text = path.read_text()
+    return parse_jsonl(text)
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
+    """Records of JSONL text; a line that does not parse is skipped."""
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -120,7 +173,7 @@ class Run:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"run={str(self.path)!r} is not a directory")
-        if not any((self.path / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz",
+        if not any((self.path / f).exists() for f in ("metrics.jsonl", METRICS_GZ, RUN_ARCHIVE,
                                                         "config.yaml", "final", "checkpoints",
                                                         "routing", ROUTING_ARCHIVE)):
             raise ConfigError(f"run={str(self.path)!r} holds no run (expected metrics.jsonl, "
@@ -133,33 +186,32 @@ class Run:
 
     @cached_property
     def metrics(self) -> Metrics:
-        plain = self.path / "metrics.jsonl"
-        # a committed study run keeps it compressed (remoe.lab.study.archive)
-        return Metrics(read_jsonl(plain if plain.is_file() else self.path / "metrics.jsonl.gz"))
+        return Metrics(run_jsonl(self.path, "metrics.jsonl"))
 
     @cached_property
     def evals(self) -> list[dict[str, Any]]:
-        return last_per_step(read_jsonl(self.path / "eval.jsonl"))
+        return last_per_step(run_jsonl(self.path, "eval.jsonl"))
 
     @cached_property
     def config(self) -> dict[str, Any]:
-        p = self.path / "config.yaml"
-        if not p.is_file():
+        data = run_bytes(self.path, "config.yaml")
+        if data is None:
             return {}
         try:
-            cfg = yaml.safe_load(p.read_text()) or {}
+            cfg = yaml.safe_load(data) or {}
         except yaml.YAMLError:
             return {}
         return cfg if isinstance(cfg, dict) else {}
 
     @cached_property
     def summary(self) -> dict[str, Any]:
-        return _read_json(self.path / "summary.json") or {}
+        s = run_json(self.path, "summary.json")
+        return s if isinstance(s, dict) else {}
 
     @cached_property
     def eval_results(self) -> dict[str, Any] | None:
         """``eval_results.json`` (``remoe eval --out``), or None."""
-        return _read_json(self.path / "eval_results.json")
+        return run_json(self.path, "eval_results.json")
 
     @cached_property
     def model_config(self):
@@ -201,8 +253,8 @@ class Run:
 
     def mask_files(self) -> list[tuple[int, "MaskFile"]]:
         """``(step, MaskFile)`` of every recorded routing mask, by step: the loose
-        ``routing/masks_<step>.npz`` files of a run directory, or the members of the single
-        ``routing.zip`` archive of a committed study copy (:mod:`remoe.lab.study.archive`)."""
+        ``routing/masks_<step>.npz`` files of a run directory, or the members of its
+        committed study copy's ``run.zip`` (older copies: ``routing.zip``)."""
         out = []
         d = self.path / "routing"
         if d.is_dir():
@@ -210,11 +262,12 @@ class Run:
                 m = MASK_FILE.match(p.name)
                 if m:
                     out.append((int(m.group(1)), MaskFile(p)))
-        packed = self.path / ROUTING_ARCHIVE
-        if not out and packed.is_file():
+        for packed in (self.path / RUN_ARCHIVE, self.path / ROUTING_ARCHIVE):
+            if out or not packed.is_file():
+                continue
             with zipfile.ZipFile(packed) as z:
                 for info in z.infolist():
-                    m = MASK_FILE.match(info.filename)
+                    m = MASK_FILE.match(Path(info.filename).name)
                     if m:
                         out.append((int(m.group(1)), MaskFile(packed, info.filename,
                                                               info.file_size)))
@@ -223,7 +276,7 @@ class Run:
 
 @dataclass(frozen=True)
 class MaskFile:
-    """One recorded ``masks_<step>.npz``: a file, or a ``member`` of a ``routing.zip``."""
+    """One recorded ``masks_<step>.npz``: a file, or a ``member`` of a ``run.zip``."""
 
     path: Path
     member: str | None = None
@@ -255,12 +308,3 @@ def load_masks(source: "MaskFile | Path") -> tuple[np.ndarray, np.ndarray, int]:
         token_ids = np.asarray(z["token_ids"]).reshape(-1)
         step = int(z["step"]) if "step" in z.files else -1
     return masks, token_ids, step
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return None

@@ -167,10 +167,16 @@ def export_finished(study, log=print) -> list[str]:
     """Copy every run finished (and evaluated) in the study directory to the spec's
     ``results:`` directory where the copy is missing or older (:meth:`Study.copy_to_results`);
     returns the names copied."""
+    from remoe.lab.study.archive import pack_committed
+
     copied = [r.name for r in study.spec.runs if study.copy_to_results(r)]
     if copied:
         log(f"committed copies: {', '.join(copied)} -> {study.spec.results_dir / 'runs'} "
             "(git add them)")
+    packed = [r.name for r in study.spec.runs
+              if (d := study.committed(r)) is not None and pack_committed(d)]
+    if packed:
+        log(f"committed copies packed into run.zip: {', '.join(packed)} (git add -A them)")
     return copied
 
 

@@ -17,21 +17,12 @@ For every finished run with an ``init_from.json`` (:mod:`remoe.train.init_from`)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from remoe.lab.study.spec import StudySpec
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _fmt(v: Any, spec: str = ".4f") -> str:
@@ -58,10 +49,10 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
     """The figures of the module docstring for one finished run directory (or its committed
     copy)."""
     from remoe.lab.analysis.inactive import inactive_threshold
-    from remoe.lab.analysis.runlog import Run, load_masks
+    from remoe.lab.analysis.runlog import Run, load_masks, run_json
     from remoe.method.stages import detect_stages
 
-    rec = _read_json(run_dir / "init_from.json") or {}
+    rec = run_json(run_dir, "init_from.json") or {}
     run = Run(run_dir)
     m = run.metrics
     row: dict[str, Any] = {"lambda_start": rec.get("lambda_start"),

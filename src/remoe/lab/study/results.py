@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from remoe.lab.analysis.runlog import run_has, run_json
 from remoe.lab.study.spec import StudySpec
 
 #: columns aggregated in results.md (key, header, format)
@@ -177,24 +178,20 @@ def run_row(run_dir: Path) -> dict[str, Any]:
 def full_split_loss(run_dir: Path) -> float | None:
     """The loss over the whole validation split (``remoe eval``, a spec's ``eval.loss``) from
     RUN/eval_results.json, else None."""
-    import json
-
     try:
-        v = json.loads((run_dir / "eval_results.json").read_text())["models"][0]["loss"]["loss"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        v = run_json(run_dir, "eval_results.json")["models"][0]["loss"]["loss"]
+    except (KeyError, IndexError, TypeError):
         return None
     return float(v) if _finite(v) else None
 
 
 def zero_shot_row(run_dir: Path) -> dict[str, float]:
     """``{"zs:<column header>": accuracy %, ..., "zs:avg": mean}`` of RUN/eval_results.json."""
-    import json
-
     try:
-        doc = json.loads((run_dir / "eval_results.json").read_text())
+        doc = run_json(run_dir, "eval_results.json")
         model = doc["models"][0]
         columns = doc["tasks"]["columns"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError):
         return {}
     out = {}
     for task, header, metric in columns:
@@ -212,7 +209,7 @@ def run_source(spec: StudySpec, runs_dir: Path, name: str) -> Path:
     from remoe.lab.study.archive import committed_dir
 
     d = runs_dir / name
-    if (d / "summary.json").is_file():
+    if run_has(d, "summary.json"):
         return d
     return committed_dir(spec.results_dir, name) or d
 
@@ -231,7 +228,7 @@ def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None
         row: dict[str, Any] = {"name": r.name, "group": r.group, "label": r.label,
                                "seed": r.seed, "overrides": r.describe_overrides(),
                                "stop": r.describe_stop()}
-        if (d / "summary.json").is_file():  # trained (zero-shot columns may still be pending)
+        if run_has(d, "summary.json"):  # trained (zero-shot columns may still be pending)
             row["state"] = "done"
             row["source"] = str(d)
             row.update(run_row(d))

@@ -30,9 +30,10 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
+from remoe.lab.analysis.runlog import Run, run_has, run_json
 from remoe.lab.study.archive import committed_dir, export_run, up_to_date
 from remoe.lab.study.children import (atomic_write, config_diff, default_command,
-                                  die_with_parent, eval_command, eval_done, read_json, read_yaml,
+                                  die_with_parent, eval_command, eval_done, read_json,
                                   same_experiment, tail)
 from remoe.lab.study.reuse import adopt_identical, finished_runs
 from remoe.lab.study.runconfig import apply_stop, load_run_config
@@ -105,7 +106,7 @@ class Study:
         return self.committed(r) or self.run_dir(r)
 
     def summary(self, r: RunSpec) -> dict[str, Any] | None:
-        return read_json(self.source_dir(r) / "summary.json")
+        return run_json(self.source_dir(r), "summary.json")
 
     def trained(self, r: RunSpec) -> bool:
         return self.summary(r) is not None
@@ -152,14 +153,13 @@ class Study:
         starts (a summary or checkpoint of another experiment must not count or be resumed)."""
         bad = []
         for r in selected:
-            saved = self.source_dir(r) / "config.yaml"
-            if not saved.is_file():
+            if not run_has(self.source_dir(r), "config.yaml"):
                 continue
             if r.match_of and self.match_flops(r) is None:
                 continue  # its stop point is not known yet: checked once it is
             if not (self.summary(r) or self.has_checkpoint(r)):
                 continue  # nothing to keep: it restarts from scratch
-            have = read_yaml(saved)
+            have = Run(self.source_dir(r)).config
             want = same_experiment(self.full_config(r))
             diff = config_diff(same_experiment(have), want) if have else ["config.yaml unreadable"]
             if diff:
