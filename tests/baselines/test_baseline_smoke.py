@@ -20,6 +20,10 @@ ROUTER_OPTIONS = {
 }
 
 
+#: 6 steps lower the loss by 1.42-1.68 for every router over seeds 0-3, identical under the
+#: default kernels and ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE (Intel Xeon, AVX-512): the
+#: bound of 0.5 is far from any of them
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("router", ROUTERS)
 def test_trains_and_generates(router):
     torch.manual_seed(0)

@@ -80,6 +80,11 @@ def test_after_step_sign_rule_by_hand():
     assert frozen.expert_bias_N.abs().sum() == 0
 
 
+#: seed 0's input: the largest load falls to 0.558 of its start and the smallest rises 2.2x,
+#: bit-identical under the default kernels and ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE
+#: (Intel Xeon); over seeds 0-7 the first ratio spans 0.54-0.73, so the bounds hold for this
+#: fixed input, not for any input
+@pytest.mark.kernel_paths
 def test_repeated_updates_balance_a_skewed_router():
     torch.manual_seed(0)
     router = AuxFreeTopKRouter(8, 4, k=1, bias_update_rate=3e-3)
