@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     # restart its own process, e.g. to preload an allocator (remoe.machine.allocator)
     args.owns_process = argv is None
     try:
+        if args.command == "train":  # train.portable_kernels: pinned before torch starts
+            from remoe.machine.kernels import configure_train
+
+            configure_train(args)
         return int(importlib.import_module(args._module).run(args) or 0)
     except ConfigError as e:
         print(f"remoe {args.command}: error: {e}", file=sys.stderr)

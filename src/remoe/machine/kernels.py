@@ -1,0 +1,77 @@
+"""Pinned CPU kernel paths (``train.portable_kernels: true``): the same config and seed give the
+same bits on any x86-64 CPU with AVX2, Intel or AMD.
+
+By default ATen picks its vectorised kernels for the CPU it finds (AVX-512 on an Intel Xeon,
+AVX2 on an AMD EPYC), and so do MKL (sgemm) and oneDNN; their float32 results differ in the low
+bits, and a training trajectory amplifies them (docs/RELIABILITY.md). Pinning all three to their
+AVX2 code path (MKL's conditional numerical reproducibility, ``MKL_CBWR=AVX2``) removes that
+choice. They are read once, when torch starts: ``remoe train`` sets them before it imports
+torch (or restarts itself with them); a process that already started torch is refused in one
+line naming the environment to set. A fixed ``train.num_threads`` is required too, since the
+default (all usable cores) differs between machines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from remoe.errors import ConfigError
+
+#: the environment that pins ATen, MKL and oneDNN to their AVX2 code paths
+PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def unpinned(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of :data:`PINNED` that ``env`` does not set to their pinned value."""
+    return {k: v for k, v in PINNED.items() if env.get(k, "").upper() != v.upper()}
+
+
+def as_shell(env: Mapping[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items())
+
+
+def pin(owns_process: bool, field: str = "train.portable_kernels") -> None:
+    """Pin the kernel paths of this process: set them while torch has not started; otherwise
+    restart the process with them when it is ours (the ``remoe`` command), else refuse."""
+    todo = unpinned(os.environ)
+    if not todo:
+        return
+    if "torch" not in sys.modules:
+        os.environ.update(todo)  # read by torch, MKL and oneDNN when they start
+        return
+    if owns_process:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **todo})
+    raise ConfigError(f"{field}=true: torch started before the kernel paths were pinned; set "
+                      f"{as_shell(todo)} before starting Python (the remoe command does it)")
+
+
+def check_cpu(field: str = "train.portable_kernels") -> str:
+    """The capability ATen runs under the pin ("AVX2"); a CPU without AVX2 is refused."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap != "AVX2":
+        raise ConfigError(f"{field}=true needs an x86-64 CPU with AVX2; ATen runs {cap} "
+                          "kernels here")
+    return cap
+
+
+def configure_train(args) -> None:
+    """``remoe train``: when the config asks for ``train.portable_kernels``, require a fixed
+    thread count, pin the kernel paths and check the CPU, before any torch work."""
+    if getattr(args, "print_config", False):
+        return
+    from remoe.configfile import config_path
+    from remoe.experiment import load_config
+
+    cfg = load_config(config_path(args.config, args.overrides), args.overrides,
+                      default_file=args.config is None)
+    if not cfg.train.portable_kernels:
+        return
+    if not isinstance(cfg.train.num_threads, int):
+        raise ConfigError(f"train.portable_kernels=true needs a fixed train.num_threads (e.g. 1); "
+                          f"{cfg.train.num_threads!r} differs between machines")
+    pin(getattr(args, "owns_process", False))
+    check_cpu()
