@@ -43,6 +43,15 @@ def saved_model(tmp_path_factory, micro_data_cfg):
     return out / "src" / "final"
 
 
+#: band of the mean sparsity of the 4 logged steps around the target 0.75: 1.45x the largest
+#: deviation measured over source seeds 0-7 under the default kernels and under
+#: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE on an Intel Xeon (AVX-512): means 0.681-0.793
+#: (seed 7, default: 0.681; seed 0, the one here: 0.749 default, 0.793 second path); single
+#: logged steps spread 0.664-0.815, so one step is not asserted on. The loss fell in all 16 runs.
+SPARSITY_BAND = 0.1
+
+
+@pytest.mark.kernel_paths
 def test_the_worked_example_fine_tunes_with_sparsity_on_target(saved_model, tmp_path, capsys,
                                                                micro_data_cfg):
     from remoe.data.bundle import load_documents
@@ -63,9 +72,10 @@ def test_the_worked_example_fine_tunes_with_sparsity_on_target(saved_model, tmp_
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     recs = [dict(zip(ln.split()[::2], map(float, ln.split()[1::2]))) for ln in lines]
     assert len(recs) == 4 and recs[-1]["loss"] < recs[0]["loss"]
-    # on target within 0.08: lambda can only relax when the model turns sparser than its
+    # on target within the band: lambda can only relax when the model turns sparser than its
     # target on its own (a gate at zero gets no gradient back), as in remoe train
-    assert all(abs(r["sparsity"] - 0.75) < 0.08 for r in recs), recs
+    mean = sum(r["sparsity"] for r in recs) / len(recs)
+    assert abs(mean - 0.75) < SPARSITY_BAND, recs
     from remoe import ReMoEForCausalLM
 
     assert ReMoEForCausalLM.from_pretrained(tmp_path / "ft" / "final").config.num_experts == 4
