@@ -13,26 +13,22 @@ from __future__ import annotations
 
 from remoe.lazy import lazy_names
 
-_LAZY = {
-    "BUILTIN_DOMAINS": "remoe.data.builtin", "BUILTIN_SOURCES": "remoe.data.builtin",
-    "read_austen_books": "remoe.data.builtin",
-    "DEFAULT_CACHE_DIR": "remoe.data.config", "DataConfig": "remoe.data.config",
-    "assign_splits": "remoe.data.corpus", "iter_documents": "remoe.data.corpus",
-    "parse_source": "remoe.data.corpus", "split_unit": "remoe.data.corpus",
-    "write_documents": "remoe.data.corpus",
-    "SPLITS": "remoe.data.documents", "Document": "remoe.data.documents",
-    "DataBundle": "remoe.data.pipeline", "load_documents": "remoe.data.pipeline",
-    "load_prepared": "remoe.data.pipeline", "prepare_data": "remoe.data.pipeline",
-    "read_lazyload_db": "remoe.data.rfiles", "read_rds": "remoe.data.rfiles",
-    "RFormatError": "remoe.data.rserialize", "RObject": "remoe.data.rserialize",
-    "unserialize": "remoe.data.rserialize",
-    "TrainBatches": "remoe.data.sampler", "eval_batches": "remoe.data.sampler",
-    "Batch": "remoe.data.store", "ChunkTable": "remoe.data.store",
-    "EOS_TOKEN": "remoe.data.tokenizer", "load_hf_tokenizer": "remoe.data.tokenizer",
-    "load_tokenizer": "remoe.data.tokenizer", "save_tokenizer": "remoe.data.tokenizer",
-    "train_tokenizer": "remoe.data.tokenizer",
-    "read_jsonl": "remoe.data.userdata", "read_user_source": "remoe.data.userdata",
+#: module -> the public names it gives (loaded on first use)
+_MODULES = {
+    "builtin": "BUILTIN_DOMAINS BUILTIN_SOURCES read_austen_books",
+    "config": "DEFAULT_CACHE_DIR DataConfig",
+    "corpus": "assign_splits iter_documents parse_source split_unit write_documents",
+    "documents": "SPLITS Document",
+    "pipeline": "DataBundle load_documents load_prepared prepare_data",
+    "rfiles": "read_lazyload_db read_rds",
+    "rserialize": "RFormatError RObject unserialize",
+    "sampler": "TrainBatches eval_batches",
+    "store": "Batch ChunkTable",
+    "tokenizer": "EOS_TOKEN load_hf_tokenizer load_tokenizer save_tokenizer train_tokenizer",
+    "userdata": "read_jsonl read_user_source",
 }
+_LAZY = {name: f"remoe.data.{module}" for module, names in _MODULES.items()
+         for name in names.split()}
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
