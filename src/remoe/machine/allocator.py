@@ -15,10 +15,8 @@ expert matmuls themselves (docs/PERFORMANCE.md). Modes:
 * ``retain`` (opt-in, glibc, no restart): ``mallopt`` so large blocks come from the heap and
   freed memory is never trimmed: the next step's gradients reuse the same pages. Caveat: every
   block then lives in one heap, and allocation patterns that interleave many large short-lived
-  blocks with small long-lived ones fragment it without bound. Measured: transformers' eager
-  Mixtral block at E=128 (128 whole-parameter zero gradients per backward) grew one process to
-  24 GB and was OOM-killed; the default ``remoe train`` run stayed at 2.2 GB peak RSS, the same
-  as glibc's default.
+  blocks with small long-lived ones fragment it without bound (what was measured:
+  docs/PERFORMANCE.md, "Allocator").
 
 Only the command-line entry points call :func:`configure`; importing ``remoe`` never changes
 the process.
