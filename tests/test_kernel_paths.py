@@ -7,10 +7,16 @@ vendor fails on the other (issue 48). Rerunning the marked tests under ``MKL_CBW
 and a lower ``ATEN_CPU_CAPABILITY`` (avx2 where the default is AVX-512, else ``default``) moves
 the low bits the same way a second vendor would, on the machine that runs the suite.
 
-The rerun costs about as much as the marked tests themselves at one thread. A test is marked when
-its assertion depends on the trajectory (loss values or bands, sparsity, lambda, counts, one
-router against another); tests that assert bit-equality of two runs on one machine and thread
-count (resume, compiled == eager, identity) hold by construction and are not marked.
+A test is marked when its assertion depends on the trajectory (loss values or bands, sparsity,
+lambda, counts, one run against another): the threshold routers' target band and their
+following of an imbalance, the aux-free bias balancing a skewed router, every router's 6-step
+loss drop, BlockFFN's lambda steering, revival splits, and docs/FINETUNE.md's example (its
+150-step source run is the costliest: ~30 s). The rerun costs about as much as the marked
+tests at one thread, ~70-80 s on a loaded 2-core Intel Xeon. Not marked: tests that assert
+bit-equality of two runs on one machine and thread count (resume, compiled == eager, identity),
+which hold by construction, and the one-vs-two-rank comparisons (tests/train/
+test_distributed.py, test_control_training.py's two-rank tests: 20-60 s each under torchrun;
+their first steps sit far from the target, where lambda's sign rule cannot flip).
 """
 
 from __future__ import annotations
