@@ -41,16 +41,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _pin_kernels(args: argparse.Namespace) -> None:
+    """``train.portable_kernels``: the CPU kernel paths pinned before the command starts torch
+    (remoe.machine.kernels)."""
+    from remoe.configfile import config_path
+    from remoe.experiment import load_config
+    from remoe.machine.kernels import configure
+
+    cfg = load_config(config_path(args.config, args.overrides), args.overrides,
+                      default_file=args.config is None)
+    configure(cfg.train.portable_kernels, cfg.train.num_threads, args.owns_process)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     # called as the `remoe` command (not main([...]) from a test or notebook): the command may
     # restart its own process, e.g. to preload an allocator (remoe.machine.allocator)
     args.owns_process = argv is None
     try:
-        if args.command == "train":  # train.portable_kernels: pinned before torch starts
-            from remoe.machine.kernels import configure_train
-
-            configure_train(args)
+        if args.command == "train" and not args.print_config:
+            _pin_kernels(args)
         return int(importlib.import_module(args._module).run(args) or 0)
     except ConfigError as e:
         print(f"remoe {args.command}: error: {e}", file=sys.stderr)

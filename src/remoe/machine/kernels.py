@@ -58,20 +58,13 @@ def check_cpu(field: str = "train.portable_kernels") -> str:
     return cap
 
 
-def configure_train(args) -> None:
-    """``remoe train``: when the config asks for ``train.portable_kernels``, require a fixed
-    thread count, pin the kernel paths and check the CPU, before any torch work."""
-    if getattr(args, "print_config", False):
+def configure(portable: bool, num_threads, owns_process: bool) -> None:
+    """``train.portable_kernels``: require a fixed thread count, pin the kernel paths and check
+    the CPU, before any torch work; nothing when ``portable`` is false."""
+    if not portable:
         return
-    from remoe.configfile import config_path
-    from remoe.experiment import load_config
-
-    cfg = load_config(config_path(args.config, args.overrides), args.overrides,
-                      default_file=args.config is None)
-    if not cfg.train.portable_kernels:
-        return
-    if not isinstance(cfg.train.num_threads, int):
+    if not isinstance(num_threads, int):
         raise ConfigError(f"train.portable_kernels=true needs a fixed train.num_threads (e.g. 1); "
-                          f"{cfg.train.num_threads!r} differs between machines")
-    pin(getattr(args, "owns_process", False))
+                          f"{num_threads!r} differs between machines")
+    pin(owns_process)
     check_cpu()
