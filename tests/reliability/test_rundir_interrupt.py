@@ -12,8 +12,9 @@ from remoe import rundir
 from remoe.cli import main
 
 
-def _sigint_in_step(step, times=1):
-    """Child: SIGINT(s) to itself while optimizer step ``step`` (1-based) runs."""
+def _sigint_in_step(step, times=1, sig=signal.SIGINT):
+    """Child: ``sig`` (SIGINT by default) to itself while optimizer step ``step`` (1-based)
+    runs, ``times`` times."""
     def before():
         from remoe.train.trainer import Trainer
 
@@ -23,7 +24,7 @@ def _sigint_in_step(step, times=1):
             rec = real(self)
             if rec["step"] == step:
                 for _ in range(times):
-                    os.kill(os.getpid(), signal.SIGINT)
+                    os.kill(os.getpid(), sig)
             return rec
 
         Trainer.train_step = train_step
@@ -58,6 +59,17 @@ def test_first_sigint_checkpoints_the_step_and_resume_is_bit_exact(
         rd.read_jsonl(uninterrupted / "metrics.jsonl"))
     assert rd.read_jsonl(run / "eval.jsonl") == rd.read_jsonl(uninterrupted / "eval.jsonl")
     assert rd.same_weights(rd.weights(run), rd.weights(uninterrupted))
+
+
+def test_sigterm_checkpoints_the_step_says_so_and_exits_143(tmp_path, train_argv, rd):
+    """A scheduler's pre-emption (SIGTERM) keeps the work as Ctrl-C does, with its own status."""
+    log = tmp_path / "log"
+    pid = rd.fork_main(train_argv(tmp_path, "r"), log, before=_sigint_in_step(3, sig=signal.SIGTERM))
+    assert rd.wait_exit(pid) == 143
+    text = log.read_text()
+    assert "remoe train: SIGTERM: finishing this step, then a checkpoint" in text
+    assert "interrupted after step 3; checkpoint" in text and "resume with: " in text
+    assert rundir.read_latest(tmp_path / "r" / "checkpoints")[0] == "step_0000003"
 
 
 def test_second_sigint_stops_at_once(tmp_path, train_argv, rd):

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     except TrainingInterrupted as e:
         print(f"remoe train: interrupted after step {e.step}; checkpoint {e.checkpoint}\n"
               f"resume with: {resume_command(args)}", file=sys.stderr)
-        return 130
+        return e.exit_status
     except TrainingDiverged as e:
         print(f"remoe train: error: {e}", file=sys.stderr)
         return 3

@@ -408,7 +408,7 @@ class Trainer:
             self.record_masks()
         reason = self._should_stop()
         last_rec = None
-        # Ctrl-C: the step in progress finishes, then a checkpoint (remoe.train.interrupt)
+        # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint (remoe.train.interrupt)
         ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
         try:
             with ctrl_c:
@@ -427,7 +427,7 @@ class Trainer:
                         if self._saved_step != self.step:
                             self.save()
                         raise TrainingInterrupted(
-                            self.step, self.ckpt_root / f"step_{self.step:07d}")
+                            self.step, self.ckpt_root / f"step_{self.step:07d}", ctrl_c.signum)
         finally:
             if bar is not None:
                 bar.close()
