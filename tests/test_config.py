@@ -68,29 +68,32 @@ def test_small_expert_counts_are_valid_for_every_router(router):
     # warmup_k (default 6) only constrains the topk_warmup router
     kw = dict(warmup_k=2) if router == "topk_warmup" else {}
     cfg = ReMoEConfig(**{**MICRO, "router": router, "num_experts": 4, "top_k": 1, **kw})
-    assert cfg.num_experts == 4 and cfg.moe_top_k == 1
+    assert cfg.routing.num_experts == 4 and cfg.routing.top_k == 1
 
 
 def test_edge_values_that_are_valid():
-    assert ReMoEConfig(**{**MICRO, "num_experts": 8, "top_k": 8}).target_sparsity == 0.0  # k = E
+    assert ReMoEConfig(**{**MICRO, "num_experts": 8, "top_k": 8}).routing.target_sparsity == 0.0
     assert ReMoEConfig(**{**MICRO, "granularity": 256}).moe_config().d_expert == 1
-    assert ReMoEConfig(**{**MICRO, "alpha": 1.0001, "lb_coeff": 0.0, "warmup_steps": 0}).alpha == 1.0001
-    assert ReMoEConfig(**{**MICRO, "num_heads": 4, "num_kv_heads": 4}).num_kv_heads == 4  # MHA
+    assert ReMoEConfig(**{**MICRO, "alpha": 1.0001, "lb_coeff": 0.0,
+                          "warmup_steps": 0}).control.alpha == 1.0001
+    assert ReMoEConfig(**{**MICRO, "num_heads": 4,
+                          "num_kv_heads": 4}).backbone.num_kv_heads == 4  # MHA
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_build_and_defaults(name):
     cfg = ReMoEConfig.from_preset(name)
     for key, value in PRESETS[name].items():
-        assert getattr(cfg, key) == value
-    assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
-    assert (cfg.router, cfg.num_experts, cfg.moe_top_k, cfg.granularity) == ("relu", 8, 1, 1)
-    assert (cfg.lambda0, cfg.alpha, cfg.reg_type) == (1e-8, 1.2, "lb")
-    assert not hasattr(cfg, "lb_coeff")  # another router's option: not in relu's config.json
-    assert cfg.target_sparsity == 1 - 1 / 8
-    assert cfg.head_dim * cfg.num_heads == cfg.hidden_size
+        assert getattr(cfg.backbone, key) == value
+    assert cfg.backbone.ffn_hidden_size == 4 * cfg.hidden_size
+    r = cfg.routing
+    assert (r.router, r.num_experts, r.top_k, r.granularity) == ("relu", 8, 1, 1)
+    assert (cfg.control.lambda0, cfg.control.alpha, r.options.reg_type) == (1e-8, 1.2, "lb")
+    assert "lb_coeff" not in cfg.to_dict()  # another router's option: not in relu's config.json
+    assert cfg.routing.target_sparsity == 1 - 1 / 8
+    assert cfg.head_dim * cfg.backbone.num_heads == cfg.hidden_size
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
-        cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        cfg.backbone.num_layers, cfg.backbone.num_heads, cfg.backbone.num_kv_heads)
     assert not cfg.tie_word_embeddings
 
 
@@ -99,7 +102,8 @@ def test_paper_backbones():
     for name, (d, L, h, g) in {"small": (768, 12, 12, 4), "medium": (1024, 24, 16, 4),
                                "large": (1536, 24, 16, 4)}.items():
         c = ReMoEConfig.from_preset(name)
-        assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads) == (d, L, h, g)
+        b = c.backbone
+        assert (b.hidden_size, b.num_layers, b.num_heads, b.num_kv_heads) == (d, L, h, g)
         assert c.max_position_embeddings == 1024 and c.vocab_size == 50304
 
 
@@ -120,21 +124,22 @@ def test_top_k_round_trips_as_moe_top_k(tmp_path):
     d = cfg.to_dict()
     assert d["moe_top_k"] == 3 and "top_k" not in d
     again = ReMoEConfig.from_dict(d)
-    assert again.moe_top_k == 3 and again.to_dict() == d
+    assert again.routing.top_k == 3 and again.to_dict() == d
     cfg.save_pretrained(tmp_path)
     on_disk = json.loads((tmp_path / "config.json").read_text())
     assert on_disk["moe_top_k"] == 3 and "top_k" not in on_disk
     assert on_disk["model_type"] == "remoe"
     for loaded in (ReMoEConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
         assert isinstance(loaded, ReMoEConfig)
-        assert loaded.moe_top_k == 3 and loaded.granularity == 2 and loaded.num_experts == 8
+        r = loaded.routing
+        assert r.top_k == 3 and r.granularity == 2 and r.num_experts == 8
         volatile = ("_name_or_path", "transformers_version")
         strip = lambda x: {k: v for k, v in x.items() if k not in volatile}  # noqa: E731
         assert strip(loaded.to_dict()) == strip(d)
     # k is not mistaken for a sampling setting by generate()
     assert GenerationConfig.from_model_config(cfg).top_k == GenerationConfig().top_k
     # the constructor default is k = 1
-    assert ReMoEConfig(**MICRO).moe_top_k == 1
+    assert ReMoEConfig(**MICRO).routing.top_k == 1
 
 
 def test_loading_an_impossible_config_json_raises(tmp_path):
@@ -148,8 +153,8 @@ def test_loading_an_impossible_config_json_raises(tmp_path):
 
 def test_from_pretrained_top_k_override(tmp_path):
     ReMoEConfig(**{**MICRO, "top_k": 2}).save_pretrained(tmp_path)
-    assert ReMoEConfig.from_pretrained(tmp_path).moe_top_k == 2
-    assert ReMoEConfig.from_pretrained(tmp_path, top_k=3).moe_top_k == 3
+    assert ReMoEConfig.from_pretrained(tmp_path).routing.top_k == 2
+    assert ReMoEConfig.from_pretrained(tmp_path, top_k=3).routing.top_k == 3
 
 
 # ----------------------------------------------------------------------------- composed config
@@ -164,9 +169,9 @@ def test_config_is_composed_of_three_sections():
 
     cfg = ReMoEConfig(**MICRO, num_experts=16, top_k=4, lambda0=1e-6, revive_after=3)
     assert cfg.backbone.hidden_size == 64 and cfg.backbone.ffn_hidden_size == 256
-    assert (cfg.routing.num_experts, cfg.routing.top_k, cfg.moe_top_k) == (16, 4, 4)
+    assert (cfg.routing.num_experts, cfg.routing.top_k, cfg.to_dict()["moe_top_k"]) == (16, 4, 4)
     assert (cfg.control.lambda0, cfg.control.revive_after) == (1e-6, 3)
-    assert cfg.target_sparsity == cfg.routing.target_sparsity == 0.75
+    assert cfg.routing.target_sparsity == 0.75
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
              if f.metadata.get("flat", True)]  # options: stored flat by name
     assert len(names) == len(set(names)) == len(section_fields())
@@ -195,7 +200,7 @@ def test_layer_config_is_the_routing_section_itself():
     r = m.routing
     assert (m.d_model, m.d_ffn, m.init_std, r.num_experts, r.top_k, m.options.lb_coeff,
             r.granularity) == (64, 256, 0.01, 6, 2, 0.5, 2)
-    assert r.target_sparsity == cfg.target_sparsity
+    assert r.target_sparsity == cfg.routing.target_sparsity
     assert [f.name for f in dataclasses.fields(m)] == ["d_model", "d_ffn", "routing", "init_std"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.d_model = 1
@@ -205,6 +210,36 @@ def test_layer_config_is_the_routing_section_itself():
     assert kw == m
     with pytest.raises(ConfigError, match="unknown key model.num_expert "):
         MoEConfig.build(d_model=64, d_ffn=256, num_expert=6)
+
+
+def test_a_field_read_flat_names_its_section():
+    """The layer config and ReMoEConfig read no field through: an old flat name fails with one
+    line naming its new home; ReMoEConfig is flat only in to_dict and transformers' names."""
+    cfg = ReMoEConfig(**MICRO, router="topk", num_experts=6, top_k=2)
+    m = cfg.moe_config()
+    for obj, name, msg in [
+            (m, "num_experts", "MoEConfig has no 'num_experts': read cfg.routing.num_experts"),
+            (m, "lb_coeff", "MoEConfig has no 'lb_coeff': read cfg.options.lb_coeff"),
+            (m, "hidden_size", "MoEConfig has no 'hidden_size': read cfg.d_model"),
+            (m, "target_sparsity", "MoEConfig has no 'target_sparsity': read "
+                                   "cfg.routing.target_sparsity"),
+            (cfg, "num_experts", "ReMoEConfig has no 'num_experts': read "
+                                 "config.routing.num_experts"),
+            (cfg, "moe_top_k", "ReMoEConfig has no 'moe_top_k': read config.routing.top_k"),
+            (cfg, "lambda0", "ReMoEConfig has no 'lambda0': read config.control.lambda0"),
+            (cfg, "lb_coeff", "ReMoEConfig has no 'lb_coeff': read "
+                              "config.routing.options.lb_coeff")]:
+        with pytest.raises(AttributeError) as e:
+            getattr(obj, name)
+        assert str(e.value) == msg
+    with pytest.raises(AttributeError, match="^ReMoEConfig.num_experts is not set flat"):
+        cfg.num_experts = 4
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size, cfg.vocab_size) == \
+        (cfg.backbone.num_layers, cfg.backbone.num_heads, 64, cfg.backbone.vocab_size)
+    assert cfg.spec is cfg.spec and cfg.routing is cfg.spec.routing  # held, not rebuilt
+    assert cfg.to_dict()["moe_top_k"] == 2 and cfg.to_dict()["num_experts"] == 6
+    cfg.vocab_size = 640  # transformers' resize_token_embeddings
+    assert cfg.spec.backbone.vocab_size == 640
 
 
 def test_old_config_json_without_newer_fields_loads(tmp_path):
@@ -218,7 +253,7 @@ def test_old_config_json_without_newer_fields_loads(tmp_path):
     path.write_text(json.dumps(data))
     loaded = ReMoEConfig.from_pretrained(tmp_path)
     assert (loaded.control.lambda0, loaded.control.alpha) == (2e-8, 1.5)
-    assert loaded.control.sparsity_control == "global" and loaded.revive_after == 0
+    assert loaded.control.sparsity_control == "global" and loaded.control.revive_after == 0
 
 
 @pytest.mark.parametrize("field, value", [("num_experts", 0), ("alpha", 1.0),
@@ -244,7 +279,8 @@ def test_yaml_model_section_keeps_its_keys():
     cfg = load_config(None, ["model.lambda0=1e-7", "model.alpha=1.3", "model.top_k=2",
                              "model.eos_token_id=3"])
     mc = cfg.model_config(vocab_size=cfg.data.vocab_size)
-    assert (mc.lambda0, mc.alpha, mc.moe_top_k, mc.eos_token_id) == (1e-7, 1.3, 2, 3)
+    assert (mc.control.lambda0, mc.control.alpha, mc.routing.top_k, mc.eos_token_id) == \
+        (1e-7, 1.3, 2, 3)
     assert cfg.model_spec().control.lambda0 == 1e-7
     with pytest.raises(ConfigError, match=r"^unknown key model\.lamda0 \(allowed: preset, "):
         load_config(None, ["model.lamda0=1e-7"])
@@ -264,7 +300,8 @@ def test_the_model_section_is_validated_once_per_path(tmp_path, monkeypatch):
                                                                           real(self, p))[1])
     cfg = load_config(None, ["model.top_k=2", "model.preset=micro", "model.vocab_size=512"])
     mc = cfg.model_config(vocab_size=512, eos_token_id=3)
-    assert calls == [mc.spec] and (mc.moe_top_k, mc.eos_token_id, mc.hidden_size) == (2, 3, 64)
+    assert calls == [mc.spec]
+    assert (mc.routing.top_k, mc.eos_token_id, mc.hidden_size) == (2, 3, 64)
     mc.save_pretrained(tmp_path)
     calls.clear()
     assert ReMoEConfig.from_pretrained(tmp_path).spec == mc.spec and calls.count(mc.spec) == 1
@@ -414,7 +451,8 @@ def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
         pass
 
     cfg = ReMoEConfig(**MICRO, router="relu_opts_cfgtest", sharpness=2.5)
-    assert (cfg.sharpness, cfg.mode) == (2.5, "a")  # set and defaulted, stored flat
+    o = cfg.routing.options
+    assert (o.sharpness, o.mode) == (2.5, "a")  # set and defaulted; stored flat in config.json
     cfg.save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     assert data["sharpness"] == 2.5 and data["mode"] == "a"
@@ -457,7 +495,7 @@ def test_a_user_routers_options_are_model_fields(tmp_path, monkeypatch):
 
     more = ReMoEConfig(**MICRO, router="relu_more_cfgtest", max_active=2, sharpness=3.0)
     router = more.moe_config().options
-    assert (router.max_active, router.sharpness, more.max_active) == (2, 3.0, 2)
+    assert (router.max_active, router.sharpness, more.routing.options.max_active) == (2, 3.0, 2)
     from remoe.model.moe import build_router
 
     assert build_router(more.moe_config()).max_active == 2  # ReLURouter reads its options

@@ -29,10 +29,11 @@ def test_lambda_sequence_by_hand():
 
 def test_defaults_are_the_paper_values_and_target_comes_from_k_over_e():
     cfg = ReMoEConfig(num_experts=8, top_k=1)
-    assert cfg.target_sparsity == TARGET
-    assert ReMoEConfig(num_experts=8, top_k=1, granularity=4, ffn_hidden_size=1024).target_sparsity == TARGET
-    assert ReMoEConfig(num_experts=16, top_k=2).target_sparsity == TARGET
-    ctl = LambdaController(cfg.target_sparsity, cfg.lambda0, cfg.alpha)
+    assert cfg.routing.target_sparsity == TARGET
+    assert ReMoEConfig(num_experts=8, top_k=1, granularity=4,
+                       ffn_hidden_size=1024).routing.target_sparsity == TARGET
+    assert ReMoEConfig(num_experts=16, top_k=2).routing.target_sparsity == TARGET
+    ctl = LambdaController(cfg.routing.target_sparsity, cfg.control.lambda0, cfg.control.alpha)
     assert (ctl.lambda0, ctl.alpha, ctl.coeff) == (1e-8, 1.2, 1e-8)
     assert LambdaController(TARGET).coeff == 1e-8
 

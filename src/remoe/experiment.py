@@ -224,18 +224,26 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    #: the model section parsed, once (:func:`load_config` validates it); None with
+    #: ``train.init_from``, whose section holds overrides of the source's config
+    spec: ModelSpec | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.spec is None and self.train.init_from is None:
+            self.spec = ModelSpec.from_flat(self.model)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
 
     def model_spec(self, vocab_size: int | None = None) -> ModelSpec:
-        """The model's three sections (no torch/transformers), ``vocab_size`` (the tokenizer's)
-        if the section sets none. Validated by :func:`load_config`, not here."""
-        fields = dict(self.model)  # a preset stays a key: the model spec expands it
-        if vocab_size is not None and "vocab_size" not in fields:
-            fields["vocab_size"] = vocab_size
-        return ModelSpec.from_flat(fields)
+        """The model config (:attr:`spec`), with ``vocab_size`` (the tokenizer's) if the section
+        sets none. Validated by :func:`load_config`, not here."""
+        spec = self.spec if self.spec is not None else ModelSpec.from_flat(self.model)
+        if vocab_size is None or "vocab_size" in self.model:
+            return spec
+        return dataclasses.replace(spec, backbone=dataclasses.replace(spec.backbone,
+                                                                      vocab_size=vocab_size))
 
     def model_config(self, vocab_size: int | None = None, **hf: Any) -> "ReMoEConfig":
         """The ReMoEConfig of :meth:`model_spec` (not validated again); ``hf``: token ids, ..."""
@@ -427,16 +435,18 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
     if (raw.get("train") or {}).get("init_from") is not None:
         # the model comes from the source; the section holds overrides of its config
         base = {} if default_file or file_model is None else file_model
-        model = _build_model_section({**base, **set_model})
+        model, spec = _build_model_section({**base, **set_model}), None
         _check("preset" not in model, f"model.preset={model.get('preset')!r} cannot be combined "
                "with train.init_from: the model's shape comes from the source; remove it")
     else:
         base = file_model if file_model is not None else {"preset": "tiny"}
         model = _build_model_section({**base, **set_model})
-        ModelSpec.from_flat(model).validate()  # the one validation of every model field
+        spec = ModelSpec.from_flat(model)  # the one parse and validation of every model field
+        spec.validate()
     cfg = ExperimentConfig(
         run=_build(RunConfig, raw.get("run", {}), "run"),
         model=model,
+        spec=spec,
         data=_build(DataConfig, raw.get("data", {}), "data"),
         train=_build(TrainConfig, raw.get("train", {}), "train"),
         analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
@@ -453,7 +463,7 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
                f"end-of-text token (data.vocab_size={cfg.data.vocab_size} asks for "
                f"{cfg.data.vocab_size}); leave model.vocab_size unset to follow the tokenizer")
     if cfg.train.expert_parallel:  # the world size is checked when training starts
-        check_expert_parallel(spec.routing.router, spec.routing.num_experts * spec.routing.granularity)
+        check_expert_parallel(spec.routing.router, spec.routing.num_routed)
     if spec.control.revive_after and spec.control.revive_method == "split":
         for name in ("expert_parallel", "fsdp"):  # a split copies rows across all experts
             _check(not getattr(cfg.train, name), f"model.revive_method=split needs every "

@@ -86,6 +86,6 @@ def test_no_router_parameters():
         hash_m = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="hash"))
         topk_m = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="topk"))
     c = hash_m.config
-    router = c.num_layers * c.num_experts * c.hidden_size
+    router = c.backbone.num_layers * c.routing.num_experts * c.hidden_size
     assert hash_m.num_parameters() == topk_m.num_parameters() - router
     assert hash_m.num_parameters(active=True) == topk_m.num_parameters(active=True) - router

@@ -65,14 +65,14 @@ def _build(router: str, **kw) -> ReMoEForCausalLM:
 def test_active_parameter_counts(router, kw, experts_used):
     model = _build(router, **kw)
     dense = _build("dense")
-    c = model.config
-    G = c.granularity
-    per_expert = 3 * c.hidden_size * c.ffn_hidden_size // G
-    router_params = 0 if router == "hash" else c.num_layers * c.num_experts * G * c.hidden_size
-    total = dense.num_parameters() + c.num_layers * (c.num_experts - 1) * 3 * c.hidden_size \
-        * c.ffn_hidden_size + router_params
+    b, r = model.config.backbone, model.config.routing
+    G = r.granularity
+    per_expert = 3 * b.hidden_size * b.ffn_hidden_size // G
+    router_params = 0 if router == "hash" else b.num_layers * r.num_routed * b.hidden_size
+    total = dense.num_parameters() + b.num_layers * (r.num_experts - 1) * 3 * b.hidden_size \
+        * b.ffn_hidden_size + router_params
     assert model.num_parameters() == total
-    inactive = c.num_layers * (c.num_experts * G - experts_used) * per_expert
+    inactive = b.num_layers * (r.num_routed - experts_used) * per_expert
     assert model.num_parameters(active=True) == total - inactive
 
 

@@ -109,7 +109,7 @@ def test_eval_top2_picks_sequentially_with_hand_gradient():
 
 
 def test_jitter_default_and_load_balancing_loss():
-    assert ReMoEConfig(router="sparsemixer").sparsemixer_jitter == 0.01  # GRIN / Phi-3.5-MoE router_jitter_noise
+    assert ReMoEConfig(router="sparsemixer").routing.options.sparsemixer_jitter == 0.01  # GRIN
     cfg = MoEConfig.build(d_model=8, d_ffn=16, num_experts=4, top_k=1, router="sparsemixer")
     router = build_router(cfg).eval()
     assert router.jitter_eps == 0.01 and router.lb_coeff == 0.01

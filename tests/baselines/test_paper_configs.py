@@ -56,7 +56,8 @@ def test_loads_with_the_experiment_loader_and_builds(name):
     exp = load_config(ROOT / "paper" / f"{name}.yaml")
     assert exp.run.name == _load(name)["run"]["name"]
     cfg = exp.model_config()
-    assert cfg.router == EXPECTED[name][0] and cfg.num_experts == 8 and cfg.moe_top_k == 1
+    r = cfg.routing
+    assert r.router == EXPECTED[name][0] and r.num_experts == 8 and r.top_k == 1
     with torch.device("meta"):
         model = ReMoEForCausalLM(cfg)
     assert model.num_parameters(active=True) <= model.num_parameters()

@@ -94,9 +94,10 @@ SCRIPT = textwrap.dedent('''
     out = Path(sys.argv[1])
     res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,
                         warmup=1, vocab=384, matmul_n=64, routers=("relu",), log=lambda line: None)
-    rows = [dict(r, micro_batch=r["micro_batch"] // 8) for r in gpu_check.ROWS]  # 16, 32 -> 2, 4
+    # every row of the check, at 2 (4) sequences x 2 micro-batches instead of 16 x 4 (32 x 2)
+    rows = [dict(r, micro_batch=r["micro_batch"] // 8, grad_accum=2) for r in gpu_check.ROWS]
     check = gpu_check.run_check(torch.device("cpu"), out, preset="micro", seq_len=32, rows=rows,
-                                steps=2, warmup=3, vocab=384, matmul_n=64,
+                                steps=1, warmup=2, vocab=384, matmul_n=64,
                                 compile_backend="eager", log=lambda line: None)
     if not torch.cuda.is_available():
         assert cli.main(["--suite", "gpu", "--out", str(out / "gpu.json")]) == 0

@@ -55,9 +55,9 @@ def test_upcycle_llama_copies_everything_and_one_hot_gates_give_dense_logits(lla
     src, llama = llama_dir
     assert run_convert("upcycle", src, tmp_path / "up", "--experts", 4, "--top-k", 2) == 0
     moe = ReMoEForCausalLM.from_pretrained(tmp_path / "up").eval()
-    c = moe.config
-    assert (c.router, c.num_experts, c.moe_top_k, c.rope_theta, c.rms_norm_eps, c.num_kv_heads,
-            c.ffn_hidden_size, c.vocab_size) == ("relu", 4, 2, 5000.0, 1e-6, 2, 48, 96)
+    b, r = moe.config.backbone, moe.config.routing
+    assert (r.router, r.num_experts, r.top_k, b.rope_theta, b.rms_norm_eps, b.num_kv_heads,
+            b.ffn_hidden_size, b.vocab_size) == ("relu", 4, 2, 5000.0, 1e-6, 2, 48, 96)
     hf = llama.state_dict()
     ours = moe.state_dict()
     for i in range(2):
@@ -91,7 +91,7 @@ def test_upcycle_our_dense_model(tmp_path):
     dense = randomize(ReMoEForCausalLM(ReMoEConfig.from_preset(
         "micro", router="dense", vocab_size=80, ffn_hidden_size=96, init_std=0.01)))
     moe = upcycle(dense, experts=3, top_k=1, seed=5)
-    assert moe.config.router == "relu" and moe.config.init_std == 0.01
+    assert moe.config.routing.router == "relu" and moe.config.backbone.init_std == 0.01
     d, m = dense.state_dict(), moe.state_dict()
     for k, v in d.items():
         if ".ffn." not in k:
@@ -109,8 +109,8 @@ def test_from_hf_mixtral_topk_matches_and_relu_router_is_the_same_softmax(mixtra
     src, mix = mixtral_dir
     assert run_convert("from-hf", src, tmp_path / "topk", "--router", "topk") == 0
     ours = ReMoEForCausalLM.from_pretrained(tmp_path / "topk").eval()
-    c = ours.config
-    assert (c.router, c.topk_normalize, c.num_experts, c.moe_top_k, c.ffn_hidden_size) == \
+    b, r = ours.config.backbone, ours.config.routing
+    assert (r.router, r.options.topk_normalize, r.num_experts, r.top_k, b.ffn_hidden_size) == \
         ("topk", True, 4, 2, 24)
     hf, sd = mix.state_dict(), ours.state_dict()
     for i in range(2):
@@ -127,7 +127,7 @@ def test_from_hf_mixtral_topk_matches_and_relu_router_is_the_same_softmax(mixtra
 
     assert run_convert("from-hf", src, tmp_path / "relu") == 0
     relu = ReMoEForCausalLM.from_pretrained(tmp_path / "relu").eval()
-    assert relu.config.router == "relu" and relu.config.moe_top_k == 2
+    assert relu.config.routing.router == "relu" and relu.config.routing.top_k == 2
     w, w2 = hf["model.layers.0.mlp.gate.weight"], relu.state_dict()["layers.0.ffn.router.weight"]
     x = torch.randn(50, 32)
     assert torch.allclose(torch.softmax(x @ w.t(), -1), torch.softmax(x @ w2.t(), -1), atol=1e-6)

@@ -60,10 +60,10 @@ def test_from_hf_topk_gives_the_same_logits(tmp_path, family, norm):
     assert run_convert("from-hf", _save(src, tmp_path / "src"), tmp_path / "topk",
                        "--router", "topk") == 0
     ours = ReMoEForCausalLM.from_pretrained(tmp_path / "topk").eval()
-    c = ours.config
-    assert (c.router, c.topk_normalize, c.num_experts, c.moe_top_k, c.ffn_hidden_size) == \
+    b, r = ours.config.backbone, ours.config.routing
+    assert (r.router, r.options.topk_normalize, r.num_experts, r.top_k, b.ffn_hidden_size) == \
         ("topk", norm, 4, 2, 24)
-    assert (c.attention_bias, c.qk_norm, c.shared_expert_size) == \
+    assert (b.attention_bias, b.qk_norm, r.shared_expert_size) == \
         ((True, False, 40) if family == "qwen2_moe" else (False, True, 0))
     ids = token_ids()
     _same_logits(ours, src, ids)
@@ -90,7 +90,7 @@ def test_from_hf_qwen2_moe_relu_keeps_experts_shared_expert_and_biases(tmp_path)
     src = _qwen2_moe(False)
     assert run_convert("from-hf", _save(src, tmp_path / "src"), tmp_path / "relu") == 0
     relu = ReMoEForCausalLM.from_pretrained(tmp_path / "relu").eval()
-    assert relu.config.router == "relu" and relu.config.target_sparsity == 0.5
+    assert relu.config.routing.router == "relu" and relu.config.routing.target_sparsity == 0.5
     hf, sd = src.state_dict(), relu.state_dict()
     p = "model.layers.1."
     assert torch.equal(sd["layers.1.ffn.experts.w_out_NHD"],

@@ -78,4 +78,5 @@ def test_the_worked_example_fine_tunes_with_sparsity_on_target(saved_model, tmp_
     assert abs(mean - 0.75) < SPARSITY_BAND, recs
     from remoe import ReMoEForCausalLM
 
-    assert ReMoEForCausalLM.from_pretrained(tmp_path / "ft" / "final").config.num_experts == 4
+    tuned = ReMoEForCausalLM.from_pretrained(tmp_path / "ft" / "final")
+    assert tuned.config.routing.num_experts == 4

@@ -133,7 +133,7 @@ def test_remoe_trainer_steps_lambda_once_per_optimizer_step_and_checkpoints_it(t
     lams = [r["lambda"] for r in logs]
     assert lams[0] > 1e-6 and t.remoe.lambda_rule.startswith("gradient balance")
     for a, b, r in zip(lams, lams[1:], logs):  # the sign rule on each step's sparsity
-        target = t.remoe.cfg.target_sparsity
+        target = t.remoe.cfg.routing.target_sparsity
         assert b == pytest.approx(a * 1.2 ** (1 if r["sparsity"] < target else -1), rel=1e-9)
     saved = json.loads((tmp_path / "checkpoint-2" / STATE_FILE).read_text())
     assert saved["controller"]["steps"] == 2

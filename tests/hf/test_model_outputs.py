@@ -55,7 +55,7 @@ def test_hidden_states_are_returned(model):
         out = model(IDS, output_hidden_states=True)
         plain = model(IDS)
     hs = out.hidden_states
-    L = model.config.num_layers
+    L = model.config.backbone.num_layers
     assert isinstance(hs, tuple) and len(hs) == L + 1
     assert all(h.shape == (2, IDS.shape[1], model.config.hidden_size) for h in hs)
     assert torch.equal(hs[0], model.embed_tokens(IDS))  # the embeddings first

@@ -77,7 +77,7 @@ def test_the_model_sums_overflows_over_layers():
     model = ReMoEForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     assert model(ids).aux.overflow is None  # no capacity given: nothing reported
-    L = cfg.num_layers
+    L = cfg.backbone.num_layers
     assert float(model(ids, capacity=[32 * 64] * L).aux.overflow) == 0.0
     assert float(model(ids, capacity=[1] * L).aux.overflow) == L
     with pytest.raises(ValueError, match="capacity has 1 entries"):

@@ -38,8 +38,8 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), ReMoEConfig)
     sd = model.state_dict()
     for other in (loaded, auto):
-        assert other.config.moe_top_k == 2 and other.config.granularity == 2
-        assert other.config.num_experts == 4 and other.config.router == "relu"
+        assert other.config.routing.top_k == 2 and other.config.routing.granularity == 2
+        assert other.config.routing.num_experts == 4 and other.config.routing.router == "relu"
         osd = other.state_dict()
         assert osd.keys() == sd.keys()
         for k in sd:
@@ -200,7 +200,7 @@ def test_token_with_no_active_expert_passes_through_the_ffn_unchanged():
     torch.manual_seed(4)
     x = torch.randn(1, 6, 64)
     pos = torch.arange(6)[None]
-    cos, sin = rope_cos_sin(pos, model.config.head_dim, model.config.rope_theta)
+    cos, sin = rope_cos_sin(pos, model.config.head_dim, model.config.backbone.rope_theta)
     ctx = RouterContext(batch_size=1, seq_len=6, record_masks=True)
     captured = {}
 
@@ -242,7 +242,7 @@ def test_bf16_autocast_forward_backward_keeps_router_logits_fp32(router, monkeyp
         out = model(ids, labels=ids, train_step=0)
         loss = out.loss + 1e-3 * out.aux.reg_loss + out.aux.aux_loss
     assert out.logits.dtype == torch.bfloat16  # autocast really is active
-    assert seen == [torch.float32] * model.config.num_layers
+    assert seen == [torch.float32] * model.config.backbone.num_layers
     assert out.aux.reg_loss.dtype == torch.float32 and out.loss.dtype == torch.float32
     assert torch.isfinite(loss)
     loss.backward()

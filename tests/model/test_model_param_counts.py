@@ -26,7 +26,7 @@ def test_paper_parameter_counts(preset, dense_params, moe_params):
     assert moe.num_parameters() == pytest.approx(moe_params, rel=0.01)
     # active parameters of E=8, k=1: the dense model plus one [E, D] router per layer
     c = moe.config
-    router_params = c.num_layers * c.num_experts * c.hidden_size
+    router_params = c.backbone.num_layers * c.routing.num_experts * c.hidden_size
     assert moe.num_parameters(active=True) == dense.num_parameters() + router_params
     assert dense.num_parameters(active=True) == dense.num_parameters()
 
@@ -36,10 +36,11 @@ def test_active_parameters_with_granularity_and_k():
     c = dense.config
     fine = _build("small", router="topk", num_experts=8, top_k=1, granularity=4)
     # k*G = 4 experts of width d_ffn/4: the same active FFN width as dense; router has E*G rows
-    assert fine.num_parameters(active=True) == dense.num_parameters() + c.num_layers * 32 * c.hidden_size
+    assert fine.num_parameters(active=True) == (dense.num_parameters()
+                                                + c.backbone.num_layers * 32 * c.hidden_size)
     k2 = _build("small", router="relu", num_experts=8, top_k=2)
-    ffn = 3 * c.hidden_size * c.ffn_hidden_size
-    assert k2.num_parameters(active=True) == (dense.num_parameters() + c.num_layers * ffn
-                                              + c.num_layers * 8 * c.hidden_size)
+    ffn = 3 * c.hidden_size * c.backbone.ffn_hidden_size
+    assert k2.num_parameters(active=True) == (dense.num_parameters() + c.backbone.num_layers * ffn
+                                              + c.backbone.num_layers * 8 * c.hidden_size)
     wide = _build("small", router="dense_wide", num_experts=8)
-    assert wide.num_parameters() == dense.num_parameters() + c.num_layers * 7 * ffn
+    assert wide.num_parameters() == dense.num_parameters() + c.backbone.num_layers * 7 * ffn

@@ -107,13 +107,13 @@ def test_bias_is_saved_and_restored(tmp_path):
     cfg = ReMoEConfig.from_preset("micro", router="topk_auxfree")
     model = ReMoEForCausalLM(cfg)
     keys = [k for k in model.state_dict() if k.endswith("expert_bias_N")]
-    assert len(keys) == cfg.num_layers
+    assert len(keys) == cfg.backbone.num_layers
     bias = torch.tensor([0.5, -0.25, 0.0, 0.0, 0.1, -0.1, 0.2, -0.45])
     model.layers[1].ffn.router.expert_bias_N.copy_(bias)
     model.save_pretrained(tmp_path)
     back = ReMoEForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(back.layers[1].ffn.router.expert_bias_N, bias)
-    assert back.config.bias_update_rate == 1e-3
+    assert back.config.routing.options.bias_update_rate == 1e-3
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     model.eval(), back.eval()
     assert torch.equal(model(ids).logits, back(ids).logits)

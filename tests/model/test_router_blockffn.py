@@ -134,7 +134,8 @@ def test_parameters_gradients_and_registration():
         n_bffn = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="blockffn"))
         n_relu = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="relu"))
     c = n_bffn.config
-    assert n_bffn.num_parameters() == n_relu.num_parameters() + c.num_layers * c.num_experts
+    assert n_bffn.num_parameters() == (n_relu.num_parameters()
+                                       + c.backbone.num_layers * c.routing.num_experts)
 
 
 @pytest.mark.parametrize("field, value", [("blockffn_chunk_len", 0), ("blockffn_chunk_len", 2.5),

@@ -49,7 +49,7 @@ def test_no_penalty_and_no_controller(name):
     from remoe.method.sparsity import build_controller
 
     cfg = ReMoEConfig.from_preset("micro", router=name)
-    assert build_controller(cfg, cfg.num_layers) is None
+    assert build_controller(cfg, cfg.backbone.num_layers) is None
     torch.manual_seed(0)
     model = ReMoEForCausalLM(cfg)
     ids = torch.randint(0, 512, (2, 16))
@@ -76,7 +76,7 @@ def test_thresholds_saved_and_restored(name, tmp_path):
         router.threshold_N.copy_(theta)
     model.save_pretrained(tmp_path)
     back = ReMoEForCausalLM.from_pretrained(tmp_path)
-    assert getattr(back.config, field) == value
+    assert getattr(back.config.routing.options, field) == value
     got = back.layers[1].ffn.router
     assert torch.equal(got.threshold_N, theta) and got.threshold_N.dtype == torch.float32
     if name == "expert_threshold":
@@ -98,7 +98,7 @@ def test_relu_threshold_quantile_state_saved_and_restored(tmp_path):
     router.threshold_updates.fill_(5)
     model.save_pretrained(tmp_path)
     back = ReMoEForCausalLM.from_pretrained(tmp_path)
-    assert back.config.threshold_rule == "quantile"
+    assert back.config.routing.options.threshold_rule == "quantile"
     got = back.layers[0].ffn.router
     for name in ("quantile_N", "correction_N", "threshold_N", "threshold_updates"):
         assert torch.equal(getattr(got, name), getattr(router, name)), name

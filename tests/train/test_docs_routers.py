@@ -64,7 +64,8 @@ def test_a_user_router_trains_evaluates_and_analyses(tmp_path, tiny_data_cfg):
     _run([sys.executable, "-m", "remoe.cli", "eval", str(run), "--tasks", "none"], env, tmp_path)
     check = ("import my_routers, torch; from remoe import ReMoEConfig, ReMoEForCausalLM; "
              f"m = ReMoEForCausalLM(ReMoEConfig.from_pretrained({str(run / 'final')!r})); "
-             "r = m.layers[0].ffn.router; print(m.config.bias_init, r.bias.tolist()[0])")
+             "r = m.layers[0].ffn.router; "
+             "print(m.config.routing.options.bias_init, r.bias.tolist()[0])")
     out = _run([sys.executable, "-c", check], env, tmp_path).stdout.split()
     assert out == ["0.25", "0.25"]  # from_config read the option from the loaded config
     _run([sys.executable, "-m", "remoe.cli", "analyze", "stages", str(run)], env, tmp_path)

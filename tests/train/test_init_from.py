@@ -111,7 +111,7 @@ def test_router_swap_topk_to_relu_centres_the_router_and_keeps_the_experts(sourc
     t = Trainer(_cfg(make_overrides, tmp_path, "swap", **{"train.init_from": sources / "topk",
                                                           "model.router": "relu"}), progress=False)
     t.close()
-    assert t.model_cfg.router == "relu" and t.controller is not None
+    assert t.model_cfg.routing.router == "relu" and t.controller is not None
     for a, b in zip(t.model.layers, src.layers):
         w = b.ffn.router.weight
         assert torch.allclose(a.ffn.router.weight, w - w.mean(0, keepdim=True))
@@ -135,7 +135,7 @@ def test_upcycle_a_dense_run_to_relu_experts(sources, make_overrides, tmp_path):
     try:
         ffn = src.layers[0].ffn.ffn
         w = t.model.layers[0].ffn.experts.w_in_ND2H
-        assert t.model_cfg.num_experts == 8 and t.model_cfg.router == "relu"
+        assert t.model_cfg.routing.num_experts == 8 and t.model_cfg.routing.router == "relu"
         assert torch.equal(w[5], torch.cat([ffn.w_gate.weight.t(), ffn.w_up.weight.t()], 1))
         assert t.train()["steps"] == 2
     finally:
@@ -178,7 +178,7 @@ def test_every_converter_source_trains_as_itself_and_with_a_relu_router(family, 
     with torch.no_grad():
         t.model.eval()
         assert torch.allclose(t.model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
-    assert t.model_cfg.router == ("dense" if family == "llama" else "topk")
+    assert t.model_cfg.routing.router == ("dense" if family == "llama" else "topk")
     _, summary = _train(_cfg(make_overrides, tmp_path, "relu", **{
         "train.init_from": tmp_path / "src", "model.router": "relu", "train.max_steps": 2}))
     assert summary["steps"] == 2 and summary["final_lambda"] is not None

@@ -98,13 +98,15 @@ def backbone_kwargs(hf_cfg: Any, qkv_bias: bool = False, qk_norm: bool = False
 
 
 def hf_backbone_kwargs(cfg: Any) -> dict[str, Any]:
-    """transformers Llama/Mixtral config fields of our backbone (the inverse of the above)."""
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                max_position_embeddings=cfg.max_position_embeddings,
-                rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-                rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.init_std,
+    """transformers Llama/Mixtral config fields of our backbone (the inverse of the above;
+    ``cfg``: a ReMoEConfig)."""
+    b = cfg.backbone
+    return dict(vocab_size=b.vocab_size, hidden_size=b.hidden_size,
+                num_hidden_layers=b.num_layers, num_attention_heads=b.num_heads,
+                num_key_value_heads=b.num_kv_heads, head_dim=b.head_dim,
+                max_position_embeddings=b.max_position_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": float(b.rope_theta)},
+                rms_norm_eps=b.rms_norm_eps, initializer_range=b.init_std,
                 hidden_act="silu", tie_word_embeddings=False, sliding_window=None,
                 attention_dropout=0.0, bos_token_id=cfg.bos_token_id,
                 eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)

@@ -39,11 +39,12 @@ NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmo
 
 
 def dense_kind(cfg: Any):
-    """The dense FFN class of ``cfg.router`` (dense, dense_wide), or None for any other."""
+    """The dense FFN class of ``cfg``'s router (dense, dense_wide), or None for any other
+    (``cfg``: a ReMoEConfig, as every ``cfg`` below)."""
     from remoe.model import registry
     from remoe.model.moe import DenseFFN
 
-    kind = registry.resolve(cfg.router)
+    kind = registry.resolve(cfg.routing.router)
     return kind if isinstance(kind, type) and issubclass(kind, DenseFFN) else None
 
 
@@ -52,9 +53,9 @@ def family(cfg: Any) -> str:
     norm), ``qwen2_moe`` (a shared expert or q/k/v biases) or ``mixtral``."""
     if dense_kind(cfg) is not None:
         return "llama"
-    if getattr(cfg, "qk_norm", False):
+    if cfg.backbone.qk_norm:
         return "olmoe"
-    if getattr(cfg, "shared_expert_size", 0) or getattr(cfg, "attention_bias", False):
+    if cfg.routing.shared_expert_size or cfg.backbone.attention_bias:
         return "qwen2_moe"
     return "mixtral"
 
@@ -68,25 +69,25 @@ def _refuse(name: str, value: Any, fam: str, why: str) -> None:
 def check_lossless(cfg: Any) -> None:
     """Raise a one-line :class:`ConfigError` saying why ``cfg`` is not a model of its
     :func:`family`."""
-    fam = family(cfg)
+    fam, r = family(cfg), cfg.routing
     if fam == "llama":
-        if getattr(cfg, "qk_norm", False):
+        if cfg.backbone.qk_norm:
             _refuse("qk_norm", True, fam, "Llama does not normalise queries and keys")
         return
-    if cfg.router not in LOSSLESS:
-        _refuse("router", cfg.router, fam, WHY_NOT.get(
-            cfg.router, f"its expert selection or gates differ from {NAMES[fam]}'s softmax "
+    if r.router not in LOSSLESS:
+        _refuse("router", r.router, fam, WHY_NOT.get(
+            r.router, f"its expert selection or gates differ from {NAMES[fam]}'s softmax "
             "top-k"))
-    if fam == "mixtral" and not cfg.topk_normalize:
+    if fam == "mixtral" and not r.options.topk_normalize:
         _refuse("topk_normalize", False, fam, "its gates are the kept softmax probabilities "
                 "(summing to less than 1), while Mixtral renormalises them to sum to 1")
-    shared = getattr(cfg, "shared_expert_size", 0)
+    shared = r.shared_expert_size
     if fam == "olmoe" and shared:
         _refuse("shared_expert_size", shared, fam, "OLMoE has no shared expert")
     if fam == "qwen2_moe" and not shared:
         _refuse("attention_bias", True, fam, "Qwen2-MoE always has a shared expert, and "
                 "Mixtral's attention has no q/k/v biases")
-    if fam == "qwen2_moe" and not getattr(cfg, "shared_expert_gate", True):
+    if fam == "qwen2_moe" and not r.shared_expert_gate:
         _refuse("shared_expert_gate", False, fam, "Qwen2-MoE always gates its shared expert")
 
 
@@ -95,17 +96,17 @@ def to_llama(model: Any):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = model.config
-    bias = bool(getattr(cfg, "attention_bias", False))
+    b = cfg.backbone
     hf_cfg = LlamaConfig(**backbone.hf_backbone_kwargs(cfg), intermediate_size=dense_kind(
-        cfg).width(cfg), attention_bias=bias, mlp_bias=False)
+        cfg).width(cfg.spec), attention_bias=b.attention_bias, mlp_bias=False)
     sd = model.state_dict()
-    out = backbone.to_hf_backbone_state(sd, cfg.num_layers, backbone.layer_map(bias))
-    for i in range(cfg.num_layers):
+    out = backbone.to_hf_backbone_state(sd, b.num_layers, backbone.layer_map(b.attention_bias))
+    for i in range(b.num_layers):
         p = f"model.layers.{i}."
         for hf, ours in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
             out[f"{p}mlp.{hf}_proj.weight"] = sd[f"layers.{i}.ffn.ffn.{ours}.weight"]
-        if bias:  # Llama's attention_bias includes o_proj's: zeros, the same function
-            out[f"{p}self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+        if b.attention_bias:  # Llama's attention_bias includes o_proj's: zeros, the same
+            out[f"{p}self_attn.o_proj.bias"] = torch.zeros(b.hidden_size)  # function
     return _build(LlamaForCausalLM, hf_cfg, out)
 
 
@@ -121,20 +122,21 @@ def _moe_config(cfg: Any, fam: str):
     d_ffn/G, k*G per token)."""
     import transformers
 
-    N, H = cfg.num_experts * cfg.granularity, cfg.ffn_hidden_size // cfg.granularity
-    kw = dict(backbone.hf_backbone_kwargs(cfg),
-              num_experts_per_tok=cfg.moe_top_k * cfg.granularity)
+    b, r = cfg.backbone, cfg.routing
+    N, H = r.num_routed, b.ffn_hidden_size // r.granularity
+    kw = dict(backbone.hf_backbone_kwargs(cfg), num_experts_per_tok=r.num_active)
     if fam == "mixtral":
         return transformers.MixtralConfig(**kw, intermediate_size=H, num_local_experts=N,
                                           router_jitter_noise=0.0)
+    norm = r.options.topk_normalize
     if fam == "olmoe":
         return transformers.OlmoeConfig(**kw, intermediate_size=H, num_experts=N,
-                                        norm_topk_prob=cfg.topk_normalize, clip_qkv=None,
-                                        attention_bias=bool(cfg.attention_bias))
+                                        norm_topk_prob=norm, clip_qkv=None,
+                                        attention_bias=bool(b.attention_bias))
     return transformers.Qwen2MoeConfig(
-        **kw, num_experts=N, moe_intermediate_size=H, norm_topk_prob=cfg.topk_normalize,
-        intermediate_size=cfg.shared_expert_size, qkv_bias=bool(cfg.attention_bias),
-        shared_expert_intermediate_size=cfg.shared_expert_size, decoder_sparse_step=1,
+        **kw, num_experts=N, moe_intermediate_size=H, norm_topk_prob=norm,
+        intermediate_size=r.shared_expert_size, qkv_bias=bool(b.attention_bias),
+        shared_expert_intermediate_size=r.shared_expert_size, decoder_sparse_step=1,
         mlp_only_layers=[], use_sliding_window=False)
 
 
@@ -149,10 +151,11 @@ def to_hf(model: Any):
     fam = family(cfg)
     if fam == "llama":
         return to_llama(model)
-    bias, qk = bool(getattr(cfg, "attention_bias", False)), bool(getattr(cfg, "qk_norm", False))
+    b = cfg.backbone
+    bias, qk = b.attention_bias, b.qk_norm
     sd = model.state_dict()
-    out = backbone.to_hf_backbone_state(sd, cfg.num_layers, backbone.layer_map(bias, qk))
-    for i in range(cfg.num_layers):
+    out = backbone.to_hf_backbone_state(sd, b.num_layers, backbone.layer_map(bias, qk))
+    for i in range(b.num_layers):
         p, q = f"model.layers.{i}.mlp.", f"layers.{i}.ffn."
         out[p + "gate.weight"] = sd[q + "router.weight"]
         out[p + "experts.gate_up_proj"] = sd[q + "experts.w_in_ND2H"].transpose(1, 2)
@@ -163,7 +166,7 @@ def to_hf(model: Any):
                     sd[f"{q}shared_expert.ffn.{ours}.weight"]
             out[p + "shared_expert_gate.weight"] = sd[q + "shared_expert.gate.weight"]
         if fam == "olmoe" and bias:  # OLMoE's attention_bias includes o_proj's: zeros
-            out[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+            out[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(b.hidden_size)
     cls = {"mixtral": transformers.MixtralForCausalLM, "olmoe": transformers.OlmoeForCausalLM,
            "qwen2_moe": transformers.Qwen2MoeForCausalLM}[fam]
     return _build(cls, _moe_config(cfg, fam), out)

@@ -61,9 +61,9 @@ def upcycle(src_model: Any, experts: int, top_k: int = 1, seed: int = 0):
         raise ConfigError(f"--top-k={top_k!r} must be an integer in [1, --experts={experts}]")
     cfg = src_model.config
     if cfg.model_type == "remoe":
-        if cfg.router != "dense":
-            raise ConfigError(f"SRC router={cfg.router!r} must be 'dense' to upcycle")
-        L = cfg.num_layers
+        if cfg.routing.router != "dense":
+            raise ConfigError(f"SRC router={cfg.routing.router!r} must be 'dense' to upcycle")
+        L = cfg.backbone.num_layers
         src_sd = src_model.state_dict()
         bb = {k: v for k, v in src_sd.items() if ".ffn.ffn." not in k}
         ffns = [tuple(src_sd[f"layers.{i}.ffn.ffn.{n}.weight"]

@@ -363,12 +363,10 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
     if tok_path is not None and _sha256(Path(tok_path)) != bundle.manifest["tokenizer"]["sha256"]:
         return None, (f"the checkpoint's tokenizer.json differs from the data cache's "
                       f"({bundle.cache_dir}); its token ids would not match")
-    if model.config.vocab_size < bundle.vocab_size:
-        return None, (f"model vocab_size {model.config.vocab_size} < the data's "
-                      f"{bundle.vocab_size}")
-    seq_len = args.seq_len or ((e["run_cfg"] or {}).get("train") or {}).get("seq_len") \
-        or model.config.max_position_embeddings
-    seq_len = min(int(seq_len), model.config.max_position_embeddings)
+    b = model.spec.backbone
+    if b.vocab_size < bundle.vocab_size:
+        return None, f"model vocab_size {b.vocab_size} < the data's {bundle.vocab_size}"
+    seq_len = _seq_len(e, model, args)
     batches = bundle.eval_batches(args.split, seq_len=seq_len, batch_size=args.batch_size,
                                   max_chunks_per_domain=args.loss_chunks)
     # a progress line while the (minutes-long) whole-split pass runs; only on a terminal
@@ -391,12 +389,16 @@ def _dial(e: dict[str, Any], model: Any, bundle: Any, args: argparse.Namespace,
     if bundle is None:
         raise ConfigError("--gate-threshold needs the run's data: no config.yaml found with the "
                           "checkpoint; pass --data-cache DIR")
-    seq_len = args.seq_len or ((e["run_cfg"] or {}).get("train") or {}).get("seq_len") \
-        or model.config.max_position_embeddings
-    seq_len = min(int(seq_len), model.config.max_position_embeddings)
+    seq_len = _seq_len(e, model, args)
     rows = threshold_sweep(model, lambda: bundle.eval_batches(
         args.split, seq_len=seq_len, batch_size=args.batch_size,
         max_chunks_per_domain=args.loss_chunks), args.gate_threshold, device=device)
-    experts = model.config.num_experts * model.config.granularity
-    print(format_sweep(e["name"], rows, experts))
+    print(format_sweep(e["name"], rows, model.spec.routing.num_routed))
     return rows
+
+
+def _seq_len(e: dict[str, Any], model: Any, args: argparse.Namespace) -> int:
+    """--seq-len, else the run's train.seq_len, else the model's context; at most the latter."""
+    max_pos = model.spec.backbone.max_position_embeddings
+    seq_len = args.seq_len or ((e["run_cfg"] or {}).get("train") or {}).get("seq_len") or max_pos
+    return min(int(seq_len), max_pos)

@@ -94,7 +94,8 @@ class SparsityLoop:
         from remoe.train.control import StepControl
 
         cfg = remoe_config(model)
-        if cfg.uses_adaptive_reg and cfg.revive_after and cfg.revive_method == "split":
+        c = cfg.control
+        if cfg.uses_adaptive_reg and c.revive_after and c.revive_method == "split":
             raise ConfigError("model.revive_method=split needs remoe's own trainer (it copies "
                               "optimizer state); use the hinge with transformers' Trainer")
         if not (init_lambda in ("auto", "config") or (isinstance(init_lambda, (int, float))
@@ -136,7 +137,8 @@ class SparsityLoop:
                                                                "labels")}
             with torch.enable_grad():
                 lams, info = initial_lambda(model, batch,
-                                            self.cfg.sparsity_control == "per_layer", _dist(),
+                                            self.cfg.control.sparsity_control == "per_layer",
+                                            _dist(),
                                             routers=self.routers)
         finally:
             for w, r in zip(weights, was):

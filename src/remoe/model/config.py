@@ -2,12 +2,13 @@
 
 The model config is :class:`remoe.model.spec.ModelSpec` (backbone, routing with the router's
 options, sparsity control): every field, its default and its check live there or in the
-router's options dataclass. ``ReMoEConfig`` stores it flat, one attribute per field, so that it
-serialises as a Hugging Face ``config.json`` with the same keys as always (old ``config.json``
-files load unchanged, those that stored every router's options included); ``cfg.spec``
-deserialises it (the attributes as they are now), ``cfg.backbone``/``cfg.routing``/
-``cfg.control`` are its sections. The MoE layer's config (:class:`remoe.model.moe.MoEConfig`,
-:meth:`ReMoEConfig.moe_config`) is built from it once per model build.
+router's options dataclass. ``ReMoEConfig`` holds one, validated when it is made
+(``config.spec``; ``config.backbone``/``config.routing``/``config.control`` are its sections),
+and is flat only where others read it flat: ``to_dict``/``from_dict`` (``config.json``, one key
+per field, the same keys as always: old files load unchanged, those that stored every router's
+options included) and the few backbone names transformers' own code reads (``vocab_size``,
+``hidden_size``, ``num_hidden_layers``, ...). Any other model field read flat
+(``config.num_experts``) raises one line naming its section.
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ from remoe.model import registry
 from remoe.model.spec import (EXPERT_BACKENDS, LAMBDA_UPDATES, LORY_FIRST_SEGMENT, PRESETS,
                               REG_TYPES, ROUTERS, SPARSITY_CONTROLS, TOKEN_IDS, BackboneConfig,
                               ModelSpec, RoutingConfig, SparsityControlConfig, defaults,
-                              field_types, section_fields, user_options_class)
+                              field_home, field_types)
 
 __all__ = ["EXPERT_BACKENDS", "LAMBDA_UPDATES", "LORY_FIRST_SEGMENT", "PRESETS", "REG_TYPES",
            "ROUTERS", "SPARSITY_CONTROLS", "ModelSpec", "ReMoEConfig"]
+
+#: the backbone fields transformers' own code reads on a config (generation, caches, PEFT):
+#: its name -> the field of :class:`~remoe.model.spec.BackboneConfig`
+HF_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+            "max_position_embeddings": "max_position_embeddings",
+            "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+            "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim"}
 
 
 def _attr(field: str) -> str:
@@ -45,15 +53,25 @@ def _record_router_module(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
+def _model_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Pop the model fields (flat, as in config.json) out of ``fields``."""
+    if fields.get("expert_backend") == "measured":  # a removed opt-in backend: a saved
+        fields["expert_backend"] = "auto"  # config.json that names it computes as auto
+    names = field_types(fields.get("router", RoutingConfig.router), fields.get("router_module"))
+    return {k: fields.pop(k) for k in list(fields)
+            if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
+
+
 class ReMoEConfig(PretrainedConfig):
-    """Configuration of :class:`remoe.ReMoEForCausalLM`.
+    """Configuration of :class:`remoe.ReMoEForCausalLM`: a :class:`~remoe.model.spec.ModelSpec`.
 
     Takes every field of :class:`~remoe.model.spec.BackboneConfig` (``hidden_size``,
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``ffn_hidden_size`` = 4 x hidden by
     default, ...), :class:`~remoe.model.spec.RoutingConfig` (``router``, ``num_experts`` E,
-    ``top_k`` k, ``granularity`` G, each router's options) and
+    ``top_k`` k, ``granularity`` G, the router's options) and
     :class:`~remoe.model.spec.SparsityControlConfig` (``lambda0``, ``alpha``, ...) as keyword
-    arguments, plus transformers' own (token ids, ``tie_word_embeddings``, ...).
+    arguments, plus transformers' own (token ids, ``tie_word_embeddings``, ...); or a spec
+    (:meth:`from_spec`). Read a field through its section: ``config.routing.num_experts``.
     """
 
     model_type = "remoe"
@@ -62,19 +80,11 @@ class ReMoEConfig(PretrainedConfig):
     def __init__(self, **kwargs: Any) -> None:
         spec = kwargs.pop("_validated_spec", None)  # from_spec: validated by its caller
         if spec is None:  # from the flat fields (a user's keywords, a saved config.json)
-            if kwargs.get("expert_backend") == "measured":  # a removed opt-in backend: a saved
-                kwargs["expert_backend"] = "auto"  # config.json that names it computes as auto
-            names = field_types(kwargs.get("router", RoutingConfig.router),
-                                kwargs.get("router_module"))
-            fields = {k: kwargs.pop(k) for k in list(kwargs)
-                      if k in names and k not in TOKEN_IDS or k in ("moe_top_k", "preset")}
-            spec = ModelSpec.from_flat(fields)  # another router's options: checked, left out
-            spec = _record_router_module(spec)
+            spec = _record_router_module(ModelSpec.from_flat(_model_fields(kwargs)))
             spec.validate()  # this path's one validation (a model build never re-checks it)
         else:
             spec = _record_router_module(spec)
-        for name, value in spec.flat().items():
-            setattr(self, _attr(name), value)
+        self.spec = spec
         for name, default in TOKEN_IDS.items():
             kwargs.setdefault(name, default)
         kwargs.setdefault("tie_word_embeddings", False)
@@ -91,32 +101,7 @@ class ReMoEConfig(PretrainedConfig):
                             "the spec")
         return cls(_validated_spec=spec, **kwargs)
 
-    # transformers' generic code looks for these names
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.num_layers
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    # the model config, deserialised from the (possibly edited) flat attributes: read it once
-    # where it is used many times (a model build reads it once for all its layers)
-    @property
-    def spec(self) -> ModelSpec:
-        opts = user_options_class(self.router, self.router_module)
-        names = [f.name for f in dataclasses.fields(opts)] if opts is not None else []
-        names += section_fields()
-        return ModelSpec.from_flat({k: getattr(self, _attr(k)) for k in names})
-
+    # the sections of the spec
     @property
     def backbone(self) -> BackboneConfig:
         return self.spec.backbone
@@ -131,44 +116,74 @@ class ReMoEConfig(PretrainedConfig):
 
     @property
     def is_moe(self) -> bool:
-        return bool(registry.declares(self.router, "is_moe"))
+        return bool(registry.declares(self.spec.routing.router, "is_moe"))
 
     @property
     def uses_adaptive_reg(self) -> bool:
         """The router's reg_loss is scaled by the adaptive lambda (ReLU)."""
-        return bool(registry.declares(self.router, "uses_adaptive_reg"))
+        return bool(registry.declares(self.spec.routing.router, "uses_adaptive_reg"))
 
-    @property
-    def target_sparsity(self) -> float:
-        """The sparsity ReMoE steers to (:attr:`RoutingConfig.target_sparsity`)."""
-        return self.routing.target_sparsity
+    def __getattr__(self, name: str) -> Any:
+        # only raises (reached when normal lookup fails): a model field read flat names its home
+        opts = getattr(self.__dict__.get("spec"), "routing", None)
+        home = field_home(name) or (f"routing.{name}" if isinstance(
+            getattr(RoutingConfig, name, None), property) else None) or (  # a derived size
+            f"routing.options.{name}" if hasattr(getattr(opts, "options", None), name) else None)
+        raise AttributeError(f"ReMoEConfig has no {name!r}: read config.{home}" if home else
+                             f"'ReMoEConfig' object has no attribute {name!r}")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        # (``top_k``: transformers < 5 sets its own sampling default; k is ``moe_top_k``)
+        if key not in HF_NAMES and key != "top_k" and field_home(key):
+            raise AttributeError(f"ReMoEConfig.{key} is not set flat: make a new config "
+                                 "(ReMoEConfig.from_spec(spec), or its keywords)")
+        super().__setattr__(key, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As transformers', with the spec flat (config.json: one key per field)."""
+        out = super().to_dict()
+        out.pop("spec", None)
+        out.update({_attr(k): v for k, v in self.spec.flat().items()})
+        return out
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "ReMoEConfig":
-        """As transformers', with ``top_k=`` overrides mapped onto ``moe_top_k``."""
+        """As transformers', with model-field overrides (``from_pretrained(d, num_experts=16)``;
+        ``top_k=`` is ``moe_top_k``) applied to the flat fields before the spec is made."""
         if "top_k" in kwargs:
             kwargs["moe_top_k"] = kwargs.pop("top_k")
-        return super().from_dict(config_dict, **kwargs)
+        over = _model_fields(kwargs) if kwargs else {}
+        return super().from_dict({**config_dict, **over} if over else config_dict, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ReMoEConfig":
         return cls(preset=name, **overrides)  # the spec expands it (ModelSpec.from_flat)
 
-    def moe_config(self, spec: ModelSpec | None = None):
-        """The MoE layer's config (:class:`remoe.model.moe.MoEConfig`): the routing section
-        itself, plus the widths and init of the backbone (of ``spec``, if given: the one the
-        caller already read)."""
+    def moe_config(self):
+        """The MoE layer's config (:meth:`remoe.model.moe.MoEConfig.of`)."""
         from remoe.model.moe import MoEConfig
 
-        spec = spec or self.spec
-        b = spec.backbone
-        return MoEConfig(b.hidden_size, b.ffn_hidden_size, spec.routing, b.init_std)
+        return MoEConfig.of(self.spec)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (one line naming the field) on an impossible config
-        (after editing attributes; the constructor has validated what it was given)."""
+        (the constructor has validated what it was given; :meth:`from_spec` trusts its caller)."""
         self.spec.validate()
 
+
+def _hf_view(field: str) -> property:
+    def get(self: ReMoEConfig) -> Any:
+        return getattr(self.spec.backbone, field)
+
+    def put(self: ReMoEConfig, value: Any) -> None:  # transformers' resize_token_embeddings
+        b = dataclasses.replace(self.spec.backbone, **{field: value})
+        self.spec = dataclasses.replace(self.spec, backbone=b)
+    return property(get, put if field == "vocab_size" else None,
+                    doc=f"``spec.backbone.{field}`` (read by transformers)")
+
+
+for _name, _field in HF_NAMES.items():
+    setattr(ReMoEConfig, _name, _hf_view(_field))
 
 if __name__.split(".")[0] == "remoe":  # the package (not a copy bundled by remoe.model.bundle)
     AutoConfig.register("remoe", ReMoEConfig, exist_ok=True)

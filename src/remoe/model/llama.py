@@ -312,7 +312,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         # resolved once, for every layer
         self.spec: ModelSpec = config.spec
         b = self.spec.backbone
-        moe_cfg, ffn_cls = config.moe_config(self.spec), registry.resolve(self.spec.routing.router)
+        moe_cfg, ffn_cls = MoEConfig.of(self.spec), registry.resolve(self.spec.routing.router)
         self.embed_tokens = nn.Embedding(b.vocab_size, b.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(b, i, moe_cfg, ffn_cls)
                                     for i in range(b.num_layers))
@@ -471,7 +471,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
             used = getattr(block.ffn, "active_experts_per_token", None)
             if used is None:
                 used = getattr(getattr(block.ffn, "router", None), "active_experts_per_token",
-                               cfg.routing.top_k * cfg.routing.granularity)
+                               cfg.routing.num_active)
             inactive += (cfg.num_routed - used) * per_expert
         return int(round(total - inactive))
 

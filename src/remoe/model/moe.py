@@ -21,24 +21,28 @@ from remoe.model import dispatch
 from remoe.model.experts import SwiGLU, SwiGLUExperts
 from remoe.model.routers.base import Router, RouterContext
 from remoe.model.shared_expert import build_shared_expert
-from remoe.model.spec import RoutingConfig
+from remoe.model.spec import RoutingConfig, field_home
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Config of one FFN slot: the widths it gets from the backbone, plus the routing section.
-
-    The routing fields (router, E, k, G, the router's ``options``) are declared once, in
-    :class:`~remoe.model.spec.RoutingConfig` and the router's options dataclass; this class
-    adds what the slot needs from the backbone. A model build makes one
-    (:meth:`remoe.ReMoEConfig.moe_config`) and hands it to every layer. Read a routing field
-    through its section: ``cfg.routing.num_experts``, ``cfg.options.lb_coeff``. From keywords:
+    """One FFN slot's view of the model config: the backbone's widths and init, and the routing
+    section (router, E, k, G, the router's ``options``, the derived ``num_routed`` = E*G and
+    ``target_density`` = k/E), declared and computed there only. A model build makes one
+    (:meth:`of`) and hands it to every layer. From keywords:
     ``MoEConfig.build(d_model=512, d_ffn=2048, num_experts=8, top_k=1)``."""
 
     d_model: int
     d_ffn: int  # the width of the dense FFN an expert replaces (each expert: d_ffn / G)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     init_std: float = 0.02
+
+    @classmethod
+    def of(cls, spec) -> "MoEConfig":
+        """The slot of a :class:`~remoe.model.spec.ModelSpec`: its backbone widths and init, its
+        routing section."""
+        b = spec.backbone
+        return cls(b.hidden_size, b.ffn_hidden_size, spec.routing, b.init_std)
 
     @classmethod
     def build(cls, d_model: int, d_ffn: int, init_std: float = 0.02,
@@ -58,17 +62,33 @@ class MoEConfig:
 
     @property
     def num_routed(self) -> int:
-        """N = E * G routed experts."""
-        return self.routing.num_experts * self.routing.granularity
+        """N = E * G routed experts (:attr:`RoutingConfig.num_routed`)."""
+        return self.routing.num_routed
 
     @property
     def d_expert(self) -> int:
+        """Each routed expert's width: d_ffn / G."""
         return self.d_ffn // self.routing.granularity
 
     @property
     def target_density(self) -> float:
-        """k/E: the share of experts a token uses on average (1 - target sparsity)."""
-        return self.routing.top_k / self.routing.num_experts
+        """k/E (:attr:`RoutingConfig.target_density`)."""
+        return self.routing.target_density
+
+    def __getattr__(self, name: str):
+        # only raises (reached when normal lookup fails): a field read flat names its home
+        home = _LAYER_NAMES.get(name) or (field_home(name) or "").replace("routing.options.",
+                                                                          "options.")
+        if home.startswith(("backbone.", "control.")):
+            home = ""  # not the layer's: the model reads them (spec.backbone, spec.control)
+        elif not home and isinstance(getattr(RoutingConfig, name, None), property):  # derived
+            home = f"routing.{name}"
+        raise AttributeError(f"MoEConfig has no {name!r}: read cfg.{home}" if home else
+                             f"'MoEConfig' object has no attribute {name!r}")
+
+
+#: the backbone's names for the layer's own fields
+_LAYER_NAMES = {"hidden_size": "d_model", "ffn_hidden_size": "d_ffn"}
 
 
 def build_router(cfg, cls: type | None = None) -> Router:

@@ -165,11 +165,26 @@ class RoutingConfig:
             out.update(dataclasses.asdict(self.options))
         return out
 
+    # the derived sizes, each defined here only
+    @property
+    def num_routed(self) -> int:
+        """N = E * G routed experts (each of width d_ffn / G)."""
+        return self.num_experts * self.granularity
+
+    @property
+    def num_active(self) -> int:
+        """k * G: the routed experts a token uses (at the target, for an adaptive router)."""
+        return self.top_k * self.granularity
+
+    @property
+    def target_density(self) -> float:
+        """k/E: the share of experts a token uses on average (G does not change it)."""
+        return self.top_k / self.num_experts
+
     @property
     def target_sparsity(self) -> float:
-        """The sparsity ReMoE steers to: 1 - k/E (G does not change it). The one definition:
-        the model config, the MoE layer's config and the controller read it from here."""
-        return 1.0 - self.top_k / self.num_experts
+        """The sparsity ReMoE steers to: 1 - k/E."""
+        return 1.0 - self.target_density
 
     def validate(self, p: str = "model.") -> None:
         """The section's own checks and its options' (the router's cross-field hook runs in
@@ -284,6 +299,17 @@ def user_options_class(router: Any, router_module: Any = None) -> type | None:
 
 def _light_option_names() -> set[str]:
     return {f.name for c in registry.light_options().values() for f in dataclasses.fields(c)}
+
+
+def field_home(name: str) -> str | None:
+    """Where the flat model key ``name`` lives in a spec (``routing.num_experts``,
+    ``routing.options.lb_coeff``, ``routing.top_k`` for ``moe_top_k``); None: no model field
+    (a user router's option is found through its ``routing.options``)."""
+    if name == "moe_top_k":
+        return "routing.top_k"
+    if name in section_fields():
+        return f"{section_fields()[name][0]}.{name}"
+    return f"routing.options.{name}" if name in _light_option_names() else None
 
 
 def field_types(router: Any = "relu", router_module: Any = None) -> dict[str, str]:

@@ -142,9 +142,9 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
     for a converted model, ``source``: ``path``, ``model_type``, ``command`` (the conversion
     command), ``what`` (what the conversion does) and the source's ``license`` /
     ``license_name`` (:func:`source_licence`)."""
-    c = model.config
+    c, b, r = model.config, model.config.backbone, model.config.routing
     total, active = model.num_parameters(), model.num_parameters(active=True)
-    E, k, G = c.num_experts, c.moe_top_k, c.granularity
+    E, k, G = r.num_experts, r.top_k, r.granularity
     data, train = facts.get("data") or {}, facts.get("train") or {}
     last, ev = facts.get("last"), facts.get("eval")
     licences = _data_licences(data) if data else []
@@ -177,28 +177,28 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
     lines += ["Its code is in this directory: load it with `trust_remote_code=True` "
               "(remoe itself is not needed).", "",
               "## Architecture", "",
-              f"- LLaMA-style decoder: {c.num_layers} layers, hidden size {c.hidden_size}, "
-              f"{c.num_heads} query / {c.num_kv_heads} key-value heads, RoPE (theta "
-              f"{c.rope_theta:g}), RMSNorm, SwiGLU FFN of width {c.ffn_hidden_size}, untied "
+              f"- LLaMA-style decoder: {b.num_layers} layers, hidden size {b.hidden_size}, "
+              f"{b.num_heads} query / {b.num_kv_heads} key-value heads, RoPE (theta "
+              f"{b.rope_theta:g}), RMSNorm, SwiGLU FFN of width {b.ffn_hidden_size}, untied "
               "embeddings",
-              f"- vocabulary {c.vocab_size}, context {c.max_position_embeddings} tokens",
-              f"- router `{c.router}`: {_router_summary(c.router)}"]
+              f"- vocabulary {b.vocab_size}, context {b.max_position_embeddings} tokens",
+              f"- router `{r.router}`: {_router_summary(r.router)}"]
     measured = None
     if c.is_moe and last and isinstance(last.get("active_k"), (int, float)):
         measured = float(last["active_k"])
     if c.is_moe:
         where = (f"measured {measured:.2f} on the training batch of step {last['step']:,} "
                  "(metrics.jsonl)") if measured is not None else "not measured"
-        lines.append(f"- experts: E={E}, k={k}, G={G} ({E * G} experts of width "
-                     f"{c.ffn_hidden_size // G} per layer); experts per token and layer: "
-                     f"target {k * G}, {where}; target sparsity 1 - k/E = "
-                     f"{c.target_sparsity:.4f}")
+        lines.append(f"- experts: E={E}, k={k}, G={G} ({r.num_routed} experts of width "
+                     f"{b.ffn_hidden_size // G} per layer); experts per token and layer: "
+                     f"target {r.num_active}, {where}; target sparsity 1 - k/E = "
+                     f"{r.target_sparsity:.4f}")
     parts = [what for on, what in (
-        (getattr(c, "attention_bias", False), "q/k/v biases"),
-        (getattr(c, "qk_norm", False), "RMSNorm on the query and key projections"),
-        (getattr(c, "shared_expert_size", 0), f"a shared expert of width "
-         f"{getattr(c, 'shared_expert_size', 0)} in every MoE layer"
-         + (", sigmoid-gated" if getattr(c, "shared_expert_gate", True) else ""))) if on]
+        (b.attention_bias, "q/k/v biases"),
+        (b.qk_norm, "RMSNorm on the query and key projections"),
+        (r.shared_expert_size, f"a shared expert of width "
+         f"{r.shared_expert_size} in every MoE layer"
+         + (", sigmoid-gated" if r.shared_expert_gate else ""))) if on]
     if parts:
         lines.append(f"- also: {'; '.join(parts)}")
     params = f"- parameters: {total:,} total, {active:,} active per token"
@@ -206,7 +206,7 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
         params += " at the target"
         per_expert = _per_expert_params(model)
         if measured is not None and per_expert:  # the N - measured experts a token skipped
-            ran = total - (E * G - measured) * per_expert
+            ran = total - (r.num_routed - measured) * per_expert
             params += f", about {ran:,.0f} at the measured {measured:.2f}"
     lines += [params, ""]
     if data:
@@ -225,7 +225,7 @@ def card_text(model, facts: dict[str, Any], directory: Path | None = None,
                   f"- train LM loss {_num(last.get('lm_loss'), '.4f')}"]
         if c.is_moe:
             lines.append(f"- sparsity {_num(last.get('sparsity'), '.4f')} (target "
-                         f"{c.target_sparsity:.4f}) on the training batch of that step")
+                         f"{r.target_sparsity:.4f}) on the training batch of that step")
         if ev:
             chunks = train.get("eval_chunks_per_domain", _default_eval_chunks())
             lines.append(f"- validation loss {_num(ev.get('val_loss'), '.4f')} at step "

@@ -53,7 +53,7 @@ def write_model_dir(final: Path, model, tokenizer_path: str | os.PathLike | None
         with no_hf_bars():  # remoe's progress only
             m.save_pretrained(tmp, safe_serialization=True)
         if tokenizer_path:
-            write_hf_tokenizer_files(tokenizer_path, tmp, m.config.max_position_embeddings)
+            write_hf_tokenizer_files(tokenizer_path, tmp, m.config.backbone.max_position_embeddings)
         write_card(tmp, m, find_run_dir(final), step=(state or {}).get("step"))
         if state is not None:  # marked: a checkpoint of this run without a manifest is damaged
             torch.save({**state, rundir.MANIFEST_KEY: True}, tmp / STATE_FILE)

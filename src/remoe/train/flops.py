@@ -36,7 +36,7 @@ class FlopCounter:
         attn_scores = 2 * self.seq_len * b.num_heads * dh  # QK^T and AV
         kind = registry.resolve(r.router)
         moe = self._is_moe
-        router = D * r.num_experts * r.granularity if moe and kind.has_router_weights else 0
+        router = D * r.num_routed if moe and kind.has_router_weights else 0
         per_layer = 2 * (attn_proj + router) + 2 * attn_scores
         if moe and r.shared_expert_size:
             per_layer += 2 * (3 * D * r.shared_expert_size + (D if r.shared_expert_gate else 0))

@@ -314,7 +314,7 @@ def build(cfg, seed: int | None = None) -> InitModel:
     src = resolve_source(cfg.train.init_from)
     overrides = dict(cfg.model or {})
     base, done = _load_base(src, overrides.get("router"))
-    source_router = base.config.router
+    source_router = base.config.routing.router
     model, more = apply_overrides(base, overrides, cfg.run.seed if seed is None else seed)
     check_training(cfg, model.config)
     return InitModel(model, src, done + more, source_router)
@@ -322,8 +322,8 @@ def build(cfg, seed: int | None = None) -> InitModel:
 
 def check_training(cfg, model_cfg) -> None:
     """The config checks that need the model (load_config makes them for fresh models)."""
-    tc = cfg.train
-    max_pos = model_cfg.max_position_embeddings
+    tc, r, c = cfg.train, model_cfg.routing, model_cfg.control
+    max_pos = model_cfg.backbone.max_position_embeddings
     if tc.seq_len > max_pos:
         raise ConfigError(f"train.seq_len={tc.seq_len} must be <= model.max_position_embeddings="
                           f"{max_pos} (train.init_from's; it may be raised with --set "
@@ -331,8 +331,8 @@ def check_training(cfg, model_cfg) -> None:
     if tc.expert_parallel:
         from remoe.experiment import check_expert_parallel
 
-        check_expert_parallel(model_cfg.router, model_cfg.num_experts * model_cfg.granularity)
-    if model_cfg.revive_after and model_cfg.revive_method == "split":
+        check_expert_parallel(r.router, r.num_routed)
+    if c.revive_after and c.revive_method == "split":
         for name in ("expert_parallel", "fsdp"):
             if getattr(tc, name):
                 raise ConfigError(f"model.revive_method=split needs every expert's weights on "
@@ -416,9 +416,10 @@ def check_vocabulary(src: Source, data, model_cfg) -> None:
     """The data's tokenizer must produce the ids the model was trained on: the same vocabulary
     as the source's tokenizer.json (token -> id, added tokens included); a source without
     tokenizer files is only checked for size."""
-    if data.vocab_size > model_cfg.vocab_size:
+    vocab = model_cfg.backbone.vocab_size
+    if data.vocab_size > vocab:
         raise ConfigError(f"data.tokenizer: the data's vocabulary ({data.vocab_size} tokens) is "
-                          f"larger than train.init_from's model.vocab_size={model_cfg.vocab_size}")
+                          f"larger than train.init_from's model.vocab_size={vocab}")
     if src.tokenizer_file is None:
         return
     from remoe.data.tokenizer import load_tokenizer

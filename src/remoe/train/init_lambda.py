@@ -90,9 +90,11 @@ def saved_lambda(model_dir: Path, model_cfg) -> tuple[list[float], str] | None:
         saved_cfg = ReMoEConfig.from_pretrained(model_dir)
     except Exception:  # noqa: BLE001 - not a remoe directory: nothing saved to reuse
         return None
-    same = (saved_cfg.router == model_cfg.router and saved_cfg.target_sparsity
-            == model_cfg.target_sparsity and saved_cfg.sparsity_control
-            == model_cfg.sparsity_control and saved_cfg.num_layers == model_cfg.num_layers)
+    old, new = saved_cfg.spec, model_cfg.spec
+    same = (old.routing.router == new.routing.router
+            and old.routing.target_sparsity == new.routing.target_sparsity
+            and old.control.sparsity_control == new.control.sparsity_control
+            and old.backbone.num_layers == new.backbone.num_layers)
     if not same:
         return None
     if (model_dir / rundir.STATE_FILE).is_file():
@@ -129,9 +131,9 @@ def pick_lambda(model_cfg, fixed: float | None, saved: tuple[list[float], str] |
         return saved
     if measured is None:
         return None, "model.lambda0 (no L_reg gradient)"
-    target = 1.0 - model_cfg.target_sparsity
-    lam0 = float(model_cfg.lambda0)
-    if model_cfg.sparsity_control == "per_layer":
+    target = model_cfg.routing.target_density
+    lam0 = float(model_cfg.control.lambda0)
+    if model_cfg.control.sparsity_control == "per_layer":
         dens = info.get("source_layer_density") or []
         vals = [m if d > target else lam0 for m, d in zip(measured, dens)]
         return vals, (f"gradient balance per layer where the density is above {target:.3g}, "
@@ -146,7 +148,8 @@ def pick_lambda(model_cfg, fixed: float | None, saved: tuple[list[float], str] |
 def choose_lambda(init: InitModel, fixed: float | None, input_ids, dist_enabled: bool) -> None:
     """Set ``init.lambdas`` (:func:`pick_lambda`) and record how they were chosen."""
     cfg = init.model.config
-    lams, measured = initial_lambda(init.model, input_ids, cfg.sparsity_control == "per_layer",
+    lams, measured = initial_lambda(init.model, input_ids,
+                                    cfg.control.sparsity_control == "per_layer",
                                     dist_enabled)
     saved = saved_lambda(init.source.model_dir, cfg) if init.source.model_type == "remoe" else None
     init.lambdas, rule = pick_lambda(cfg, fixed, saved, lams, measured)

@@ -17,7 +17,7 @@ def setup_expert_parallel(model: torch.nn.Module, tc, model_cfg, info):
     from remoe.distributed.expert_parallel import shard_experts
     from remoe.experiment import check_expert_parallel
 
-    check_expert_parallel(model_cfg.router, model_cfg.num_experts * model_cfg.granularity,
+    check_expert_parallel(model_cfg.routing.router, model_cfg.routing.num_routed,
                           info.world_size)
     if not info.enabled:
         return None

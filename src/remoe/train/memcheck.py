@@ -28,7 +28,7 @@ def param_lower_bound(spec) -> int:
     attn = 2 * D * D + 2 * D * b.num_kv_heads * dh
     # a dense FFN kind: one FFN of width F (a lower bound for dense x E too)
     dense = not registry.declares(r.router, "is_moe")
-    ffn = 3 * D * F if dense else r.num_experts * 3 * D * F + r.num_experts * r.granularity * D
+    ffn = 3 * D * F if dense else r.num_experts * 3 * D * F + r.num_routed * D
     return 2 * V * D + L * (attn + ffn + 2 * D) + D
 
 

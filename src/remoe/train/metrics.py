@@ -101,7 +101,8 @@ def run_summary(run_dir: Path, reason: str, totals: dict[str, Any], model, model
     ``stages``: detect the stage boundaries from ``metrics.jsonl``."""
     if last is None:  # the loop ran no step (resume of a finished run): the logged last step
         last = last_logged(run_dir, totals["steps"])
-    found = logged_stages(run_dir, model_cfg.target_sparsity) if stages else None
+    r = model_cfg.routing
+    found = logged_stages(run_dir, r.target_sparsity) if stages else None
     elapsed = totals["elapsed_s"]
     ceiling = perf.quick_ceiling_gflops()  # MFU against this machine's measured matmul rate
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -111,10 +112,10 @@ def run_summary(run_dir: Path, reason: str, totals: dict[str, Any], model, model
         "run_dir": str(run_dir), "stop_reason": reason, "steps": totals["steps"],
         "tokens": totals["tokens"], "flops": totals["flops"], "elapsed_s": elapsed,
         "tokens_per_s": totals["tokens"] / elapsed if elapsed else None,
-        "router": model_cfg.router,
+        "router": r.router,
         "params_total": model.num_parameters(),
         "params_active": model.num_parameters(active=True),
-        "target_sparsity": model_cfg.target_sparsity if model_cfg.is_moe else None,
+        "target_sparsity": r.target_sparsity if model_cfg.is_moe else None,
         "final_lm_loss": last["lm_loss"] if last else None,
         "final_sparsity": last["sparsity"] if last else None,
         "final_lambda": final_lambda,

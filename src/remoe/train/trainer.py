@@ -93,9 +93,9 @@ class Trainer:
             vocab = padded_vocab(data.vocab_size)
             self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
                                               bos_token_id=data.eos_id, pad_token_id=data.eos_id)
-            if self.model_cfg.vocab_size < data.vocab_size:
-                raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} must be >= the "
-                                  f"tokenizer's vocabulary ({data.vocab_size})")
+            if self.model_cfg.backbone.vocab_size < data.vocab_size:
+                raise ConfigError(f"model.vocab_size={self.model_cfg.backbone.vocab_size} must "
+                                  f"be >= the tokenizer's vocabulary ({data.vocab_size})")
             self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
         # train.expert_parallel: this rank's slice of the experts (None: off or one process)
         self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
@@ -146,7 +146,7 @@ class Trainer:
                 self._saved_step = self.step
                 self.last_eval = logged_eval(self.run_dir, self.step)  # not to be repeated
             self.wrapped = wrap_data_parallel(self.model, self.dist, self.device, self.ep,
-                                              self.fsdp, self.model_cfg.router)
+                                              self.fsdp, self.model_cfg.routing.router)
             self.calib = (calibration_set(self.data, tc.seq_len, cfg.analysis.calib_tokens)
                           if cfg.analysis.record_masks_every > 0 and self.model_cfg.is_moe
                           else None)

@@ -52,11 +52,11 @@ def routing_stats(run: Run, opts: Options, cache: Path | None) -> tuple[RoutingS
             return stats, TokenNames(stats.meta.get("tokenizer"))
     model, tok = load_model(model_dir)
     if not model.config.is_moe:
-        raise Skip(f"router={model.config.router!r} has no routed experts")
+        raise Skip(f"router={model.config.routing.router!r} has no routed experts")
     stats = collect_routing_stats(model, toks.batches(), toks.domains, max_tokens=toks.limit,
                                   layers=opts.layers, seq_len=toks.seq_len,
                                   meta={"key": key, "data_source": toks.source, "tokenizer": tok,
-                                        "router": model.config.router})
+                                        "router": model.config.routing.router})
     if cache is not None:
         stats.save(cache)
     return stats, TokenNames(tok)

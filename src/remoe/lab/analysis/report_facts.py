@@ -57,8 +57,9 @@ def final_lambda(run: Run) -> tuple[float | None, float | None]:
 def model_facts(run: Run) -> dict[str, Any]:
     cfg = run.model_config
     s = run.summary
-    facts = {"router": run.router, "E": getattr(cfg, "num_experts", None),
-             "k": getattr(cfg, "moe_top_k", None), "G": getattr(cfg, "granularity", None),
+    r = cfg.routing if cfg is not None else None
+    facts = {"router": run.router, "E": getattr(r, "num_experts", None),
+             "k": getattr(r, "top_k", None), "G": getattr(r, "granularity", None),
              "params_total": s.get("params_total"), "params_active": s.get("params_active")}
     if cfg is not None and not cfg.is_moe:
         facts.update(E=None, k=None, G=None)

@@ -237,9 +237,10 @@ def collect_routing_stats(model, batches: Iterable, domains: list[str], *,
     """
     cfg = model.config
     if not cfg.is_moe:
-        raise ValueError(f"router={cfg.router!r} has no routed experts: nothing to analyse")
+        raise ValueError(f"router={cfg.routing.router!r} has no routed experts: nothing to "
+                         "analyse")
     model.eval()
-    V = int(cfg.vocab_size)
+    V = int(cfg.backbone.vocab_size)
     L = None
     Dm = len(domains)
     seen = 0
@@ -282,8 +283,9 @@ def collect_routing_stats(model, batches: Iterable, domains: list[str], *,
         seen += B * S
     if L is None:
         raise ValueError("no evaluation tokens: the batches were empty")
-    return RoutingStats(domains=list(domains), kept_layers=kept, top_k=int(cfg.moe_top_k),
-                        num_experts=int(cfg.num_experts), granularity=int(cfg.granularity),
+    r = cfg.routing
+    return RoutingStats(domains=list(domains), kept_layers=kept, top_k=int(r.top_k),
+                        num_experts=int(r.num_experts), granularity=int(r.granularity),
                         meta=dict(meta or {}),
                         **{k: v.numpy() for k, v in acc.items()})
 

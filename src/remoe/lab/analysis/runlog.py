@@ -241,12 +241,13 @@ class Run:
         cfg = self.model_config
         if cfg is None or not cfg.is_moe:
             return None
-        return float(cfg.target_sparsity)
+        return float(cfg.routing.target_sparsity)
 
     @property
     def router(self) -> str:
         cfg = self.model_config
-        return str(cfg.router) if cfg is not None else str(self.summary.get("router", "?"))
+        return str(cfg.routing.router) if cfg is not None else str(self.summary.get("router",
+                                                                                    "?"))
 
     def seq_len(self, default: int = 256) -> int:
         return int((self.config.get("train") or {}).get("seq_len") or default)

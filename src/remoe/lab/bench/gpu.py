@@ -155,7 +155,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
             if t.model_cfg.uses_adaptive_reg:  # the sparse stage III on the very batches timed
                 pool = [t.sampler.batch(0, m, 0)[0].to(t.device) for m in range(grad_accum)]
                 with t._autocast():
-                    force_model_density(t.model, pool, 1.0 - t.model_cfg.target_sparsity)
+                    force_model_density(t.model, pool, t.model_cfg.routing.target_density)
             t_compile = time.perf_counter()  # after the calibration (hooks would recompile)
             if compile_backend:
                 compile_blocks(t.model, backend=compile_backend)

@@ -35,18 +35,19 @@ def param_counts(cfg) -> dict[str, int]:
     """``total``, ``experts``, ``block`` (one decoder block) and ``block_experts`` of ``cfg``."""
     from remoe.model import registry
 
-    D, F, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    dh = D // cfg.num_heads
-    attn = 2 * D * D + 2 * D * cfg.num_kv_heads * dh
+    b, r = cfg.backbone, cfg.routing
+    D, F, V = b.hidden_size, b.ffn_hidden_size, b.vocab_size
+    dh = D // b.num_heads
+    attn = 2 * D * D + 2 * D * b.num_kv_heads * dh
     if cfg.is_moe:
-        N = cfg.num_experts * cfg.granularity
-        experts = N * 3 * D * (F // cfg.granularity)
-        router = N * D if registry.declares(cfg.router, "has_router_weights") else 0
+        N = r.num_routed
+        experts = N * 3 * D * (F // r.granularity)
+        router = N * D if registry.declares(r.router, "has_router_weights") else 0
         ffn = experts + router
     else:
         experts, ffn = 0, 3 * D * F
     block = attn + 2 * D + ffn
-    L = cfg.num_layers
+    L = b.num_layers
     return {"total": L * block + 2 * V * D + D, "experts": L * experts, "block": block,
             "block_experts": experts}
 
@@ -80,7 +81,7 @@ def plan_rows(presets=("small", "medium", "large"), routers=("dense", "topk", "r
             for world in worlds:
                 for layout in LAYOUTS:
                     if layout == "fsdp+ep" and (not cfg.is_moe or
-                                                (num_experts * cfg.granularity) % world):
+                                                cfg.routing.num_routed % world):
                         continue
                     m = per_gpu(c, layout, world)
                     rows.append({"preset": preset, "router": router, "params": c["total"],

@@ -101,7 +101,7 @@ def throughput(rows=ROWS, batch: int = 8, seq: int = 256, reps: int = 8, preset:
     for r in rows:
         m = build_model(r, preset, **overrides)  # a row: a router name
         if m.config.uses_adaptive_reg:  # data-dependent sparsity: forced to its stage-III target
-            force_model_density(m, ids, 1.0 - m.config.target_sparsity)
+            force_model_density(m, ids, m.config.routing.target_density)
         models[r] = m
         # lr=0: the full AdamW update is computed but leaves the weights (and so the forced
         # routing) unchanged across the timed steps
@@ -161,11 +161,11 @@ def stages(max_steps: int = 150, settle_margin: float = 0.02, extra_after_settle
     relu = build_model("relu", preset, **overrides)
     topk = build_model("topk", preset, **overrides)
     c = relu.config
-    target = c.target_sparsity
-    ctl = build_controller(c, c.num_layers)  # the config's own sparsity control
+    target = c.routing.target_sparsity
+    ctl = build_controller(c, c.backbone.num_layers)  # the config's own sparsity control
     opt_r = torch.optim.AdamW(relu.parameters(), lr=lr, weight_decay=0.1)
     opt_t = torch.optim.AdamW(topk.parameters(), lr=lr, weight_decay=0.1)
-    data = markov_batches(c.vocab_size, batch, seq, seed=2)
+    data = markov_batches(c.backbone.vocab_size, batch, seq, seed=2)
     steps = []
     settled_at = None
     for i in range(max_steps):
@@ -218,7 +218,7 @@ def memory(batch: int = 8, seq: int = 256, preset: str = "tiny", **overrides) ->
         res = {"recompute_experts": recompute}
         for phase in ("dense", "sparse"):
             m = build_model("relu", preset, recompute=recompute, **overrides)
-            density = 1.0 if phase == "dense" else 1.0 - m.config.target_sparsity
+            density = 1.0 if phase == "dense" else m.config.routing.target_density
             force_model_density(m, ids, density)
 
             def step():

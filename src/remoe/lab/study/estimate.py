@@ -84,7 +84,7 @@ def pairs_per_token(mc, step: int | None = None, steps_dense: int = 0) -> float:
 
     r = mc.routing  # FFN kinds (Lory) have no expected_pairs of their own: the router default
     expected = getattr(registry.resolve(r.router), "expected_pairs", Router.expected_pairs)
-    return float(mc.num_layers * expected(r, step, steps_dense))
+    return float(mc.backbone.num_layers * expected(r, step, steps_dense))
 
 
 def relu_dense_steps(mc) -> int:

@@ -257,15 +257,16 @@ class Study:
 
         s = self.s
         model_cfg = t.model_cfg
-        if model_cfg.vocab_size != padded_vocab(self.bundle.vocab_size):
-            raise ConfigError(f"the model's vocabulary ({model_cfg.vocab_size}) is not the "
+        vocab = model_cfg.backbone.vocab_size
+        if vocab != padded_vocab(self.bundle.vocab_size):
+            raise ConfigError(f"the model's vocabulary ({vocab}) is not the "
                               f"tokenizer's ({self.bundle.vocab_size}) padded")
-        rec["model"] = {"preset": s.preset, "router": model_cfg.router,
-                        "vocab_size": model_cfg.vocab_size,
+        rec["model"] = {"preset": s.preset, "router": model_cfg.routing.router,
+                        "vocab_size": vocab,
                         "tokenizer_vocab": self.bundle.vocab_size,
                         "params_total": t.model.num_parameters(),
                         "params_active": t.model.num_parameters(active=True),
-                        "target_sparsity": model_cfg.target_sparsity,
+                        "target_sparsity": model_cfg.routing.target_sparsity,
                         "adaptive": bool(model_cfg.uses_adaptive_reg)}
         records: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
@@ -277,7 +278,7 @@ class Study:
         m = rec["model"]
         self.out.log(f"[{spec.name}] built in {setup_s:.1f} s: {m['params_total'] / 1e6:.1f}M "
                      f"parameters ({m['params_active'] / 1e6:.1f}M active), vocabulary "
-                     f"{model_cfg.vocab_size} (BPE {self.bundle.vocab_size})")
+                     f"{vocab} (BPE {self.bundle.vocab_size})")
         rec["state"] = row["state"] = "running"
         rec["whole_validation"] = None
         last_eval_step = 0

@@ -94,7 +94,7 @@ class Router(nn.Module):
         optimizer step ``step`` (None: after every warm-up), for cost estimates made before a
         run (``remoe study --dry-run``). ``cfg``: the routing section; ``dense_steps``: the
         estimated length of stage I for routers under the adaptive lambda. Default: k*G."""
-        return float(cfg.top_k * cfg.granularity)
+        return float(cfg.num_active)
 
     @classmethod
     def effective_pairs(cls, cfg, counted_pairs: float, tokens: int) -> float:

@@ -64,12 +64,12 @@ class ExpertChoiceRouter(Router):
 
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
-        return float(cfg.top_k * cfg.granularity * cfg.options.capacity_factor)  # each expert's capacity
+        return float(cfg.num_active * cfg.options.capacity_factor)  # each expert's capacity
 
     @classmethod
     def from_config(cls, cfg) -> "ExpertChoiceRouter":
         r = cfg.routing
-        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity,
+        return cls(cfg.d_model, cfg.num_routed, r.num_active,
                    cfg.options.capacity_factor, init_std=cfg.init_std)
 
     @property

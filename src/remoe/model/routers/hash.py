@@ -54,7 +54,7 @@ class HashRouter(Router):
     @classmethod
     def from_config(cls, cfg) -> "HashRouter":
         r = cfg.routing
-        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, init_std=cfg.init_std)
+        return cls(cfg.d_model, cfg.num_routed, r.num_active, init_std=cfg.init_std)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
         T = x_TD.shape[0]

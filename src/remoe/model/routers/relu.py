@@ -103,7 +103,7 @@ class ReLURouter(Router):
         if step is not None and step < dense_steps:
             # stage I: a ReLU gate of a zero-mean logit is open half of the time (N/2 experts
             # per token), bounded by the cap on experts per token when there is one
-            n = cfg.num_experts * cfg.granularity / 2.0
+            n = cfg.num_routed / 2.0
             cap = relu_options(cfg.options).max_active
             return float(min(n, cap)) if cap else n
         return super().expected_pairs(cfg, step, dense_steps)

@@ -104,7 +104,7 @@ class ReLUThresholdRouter(QuantileEMA, Router):
     @classmethod
     def expected_pairs(cls, cfg, step: int | None, dense_steps: int = 0) -> float:
         if step is not None and step < dense_steps:  # thresholds start at 0: half the experts
-            return cfg.num_experts * cfg.granularity / 2.0
+            return cfg.num_routed / 2.0
         return super().expected_pairs(cfg, step, dense_steps)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:

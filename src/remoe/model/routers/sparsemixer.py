@@ -117,7 +117,7 @@ class SparseMixerRouter(Router):
     @classmethod
     def from_config(cls, cfg) -> "SparseMixerRouter":
         r, o = cfg.routing, cfg.options
-        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity,
+        return cls(cfg.d_model, cfg.num_routed, r.num_active,
                    o.lb_coeff, o.sparsemixer_jitter, init_std=cfg.init_std)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:

@@ -58,7 +58,7 @@ class TopKRouter(Router):
     @classmethod
     def from_config(cls, cfg) -> "TopKRouter":
         r, o = cfg.routing, cfg.options
-        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, o.lb_coeff,
+        return cls(cfg.d_model, cfg.num_routed, r.num_active, o.lb_coeff,
                    init_std=cfg.init_std, normalize=o.topk_normalize)
 
     def active_k(self, step: int | None) -> int:

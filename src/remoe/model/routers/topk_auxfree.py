@@ -44,7 +44,7 @@ class AuxFreeTopKRouter(Router):
     @classmethod
     def from_config(cls, cfg) -> "AuxFreeTopKRouter":
         r, o = cfg.routing, cfg.options
-        return cls(cfg.d_model, cfg.num_routed, r.top_k * r.granularity, o.bias_update_rate,
+        return cls(cfg.d_model, cfg.num_routed, r.num_active, o.bias_update_rate,
                    init_std=cfg.init_std, normalize=o.topk_normalize)
 
     def forward(self, x_TD: Tensor, ctx: RouterContext) -> Routing:
