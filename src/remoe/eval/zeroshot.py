@@ -10,6 +10,7 @@ task and the average, in Markdown, as Table 2 of the paper does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -108,6 +109,33 @@ class _Quiet(logging.Filter):
         return "Custom kwargs can be passed to `--metadata`" not in msg
 
 
+def _git_describe() -> str | None:
+    """lm-eval's record of the working directory's git commit, without git's "fatal: not a
+    git repository" on stderr outside a repository (None there, or without git)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                             check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """For one ``simple_evaluate`` call: its ``git_hash`` from :func:`_git_describe` (lm-eval's
+    own lets git print to the terminal)."""
+    import lm_eval.evaluator as ev
+
+    saved = ev.get_git_commit_hash
+    ev.get_git_commit_hash = _git_describe
+    try:
+        yield
+    finally:
+        ev.get_git_commit_hash = saved
+
+
 def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
               log_samples: bool = False) -> dict[str, Any]:
     """Evaluate ``lm`` (an lm-eval LM) on the runnable tasks of ``plan``.
@@ -139,9 +167,10 @@ def run_tasks(lm: Any, plan: TaskPlan, limit: int | None = None,
             group = loaded["groups"].get(spec) if isinstance(spec, str) else None
             objs.extend([group] if group is not None else loaded["tasks"].values())
         objs, fit = fit_tasks(lm, objs)
-        out = lm_eval.simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit,
-                                      bootstrap_iters=0, log_samples=log_samples,
-                                      confirm_run_unsafe_code=False)
+        with _quiet_git_hash():
+            out = lm_eval.simple_evaluate(model=lm, tasks=objs, task_manager=tm, limit=limit,
+                                          bootstrap_iters=0, log_samples=log_samples,
+                                          confirm_run_unsafe_code=False)
     finally:
         for lg in loggers:
             lg.removeFilter(counter)
