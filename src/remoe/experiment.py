@@ -353,8 +353,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = safeyaml.load_text(raw) if raw.strip() else None
     except yaml.YAMLError:
-        value = raw
+        value = _plain_list(raw)
     return path, value
+
+
+def _plain_list(raw: str) -> Any:
+    """A ``[a, b]`` that YAML refuses (a source spec's ``?text=c&domain=s`` reads as YAML's
+    complex-key marker) as the list of its comma-separated items, as written; else ``raw``."""
+    text = raw.strip()
+    if len(text) >= 2 and text[0] == "[" and text[-1] == "]" and "[" not in text[1:-1]:
+        return [item.strip() for item in text[1:-1].split(",") if item.strip()]
+    return raw
 
 
 SECTIONS = ("run", "model", "data", "train", "analysis")

@@ -55,10 +55,14 @@ def test_arrow_files_point_to_parquet(tmp_path, caplog):
 
 
 def test_a_spec_with_options_in_a_set_override(tmp_path):
-    """DATA.md's form: a spec with ``?`` quoted inside the YAML list of ``--set``."""
+    """DATA.md's forms: a spec with ``?`` inside the list of ``--set``, quoted or as written."""
     from remoe.configfile import config_path
     from remoe.experiment import load_config
     (tmp_path / "x.parquet").write_bytes(b"")  # (validated to exist, not read here)
     spec = f"{tmp_path}/x.parquet?text=content&domain=source"
     over = [f"data.sources=['{spec}']"]
     assert load_config(config_path(None, over), over).data.sources == [spec]
+    for unquoted in (f"data.sources=[{spec}]", f"data.sources=[{spec}, builtin]"):
+        over = [unquoted]  # YAML refuses it; read as the list of what is written
+        got = load_config(config_path(None, over), over).data.sources
+        assert got == [spec] + (["builtin"] if "builtin" in unquoted else []), got
