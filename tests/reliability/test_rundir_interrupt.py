@@ -64,7 +64,8 @@ def test_first_sigint_checkpoints_the_step_and_resume_is_bit_exact(
 def test_sigterm_checkpoints_the_step_says_so_and_exits_143(tmp_path, train_argv, rd):
     """A scheduler's pre-emption (SIGTERM) keeps the work as Ctrl-C does, with its own status."""
     log = tmp_path / "log"
-    pid = rd.fork_main(train_argv(tmp_path, "r"), log, before=_sigint_in_step(3, sig=signal.SIGTERM))
+    pid = rd.fork_main(train_argv(tmp_path, "r"), log,
+                       before=_sigint_in_step(3, sig=signal.SIGTERM))
     assert rd.wait_exit(pid) == 143
     text = log.read_text()
     assert "remoe train: SIGTERM: finishing this step, then a checkpoint" in text

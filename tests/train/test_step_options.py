@@ -38,8 +38,11 @@ def _updated(impl):
 
 def test_fused_adamw_gives_foreach_s_update():
     foreach, fused = _updated("foreach"), _updated("fused")
-    worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(foreach, fused))
-    assert worst < 1e-5, worst  # measured ~1e-7: float rounding of a differently fused update
+    worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12))
+                for a, b in zip(foreach, fused))
+    # measured 2.2e-6 (default kernels) and 2.4e-6 (avx2 + MKL_CBWR=COMPATIBLE) on an Intel Xeon:
+    # float rounding of a differently fused update, three steps in
+    assert worst < 2e-5, worst
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32, 1000])

@@ -281,7 +281,8 @@ class Trainer:
         rng = rng_state() if plan is not None else None  # a redone step draws the same numbers
         caps, attempt = None, 0
         while True:
-            tot, tokens_micro, caps = self._forward_backward(step, coeff, layer_coeffs, revive, caps)
+            tot, tokens_micro, caps = self._forward_backward(step, coeff, layer_coeffs, revive,
+                                                             caps)
             if plan is None or not tot.overflow:
                 break
             # a plan was cut: drop the step's gradients and sums, redo it with the pairs the
@@ -408,7 +409,8 @@ class Trainer:
             self.record_masks()
         reason = self._should_stop()
         last_rec = None
-        # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint (remoe.train.interrupt)
+        # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint
+        # (remoe.train.interrupt)
         ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
         try:
             with ctrl_c:
