@@ -68,7 +68,7 @@ def _probe(extra: dict[str, str], out: Path):
                           text=True, env=_env(extra), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     capability, *hashes = proc.stdout.split()
-    return capability, hashes, torch.load(out)
+    return capability, hashes, torch.load(out, weights_only=True)
 
 
 def test_the_second_path_changes_the_low_bits_only(tmp_path):
