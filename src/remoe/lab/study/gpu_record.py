@@ -28,20 +28,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from remoe.rundir.files import finite_or_none
+
 SUMMARY, LOG, RUNS_DIR = "gpu_study.json", "gpu_study.log", "runs"
 
 
 def effective_experts(counts_LE: list[list[float]]) -> list[float | None]:
     """``exp`` of the entropy of each layer's token shares (None for a layer with no token)."""
-    out: list[float | None] = []
-    for row in counts_LE:
-        total = float(sum(row))
-        if total <= 0:
-            out.append(None)
-            continue
-        h = -sum(c / total * math.log(c / total) for c in row if c > 0)
-        out.append(math.exp(h))
-    return out
+    import torch
+
+    from remoe.method.expertuse import effective_experts_of
+
+    if not counts_LE:
+        return []
+    eff_L = effective_experts_of(torch.tensor(counts_LE, dtype=torch.float64)).tolist()
+    return [e if sum(row) > 0 else None for e, row in zip(eff_L, counts_LE)]
 
 
 def layer_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -76,17 +77,7 @@ def _atomic(path: Path, data: bytes) -> None:
 
 def dumps(obj: Any, indent: int | None = None) -> str:
     """JSON with non-finite floats as null (strict JSON readers refuse NaN)."""
-    return json.dumps(_finite(obj), indent=indent, default=str)
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    return json.dumps(finite_or_none(obj), indent=indent, default=str)
 
 
 class Output:
