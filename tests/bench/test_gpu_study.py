@@ -25,7 +25,7 @@ import pytest
 
 from remoe.errors import ConfigError
 from remoe.experiment import padded_vocab
-from remoe.lab.study import gpu_data, gpu_record, gpu_study
+from remoe.lab.study import gpu_data, gpu_plan, gpu_record, gpu_runs, gpu_study
 from remoe.train.schedule import cosine_lr
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,8 +126,8 @@ def test_cpu_path_end_to_end_on_the_device_stack(pack, tmp_path):
     assert "vocabulary 384" in md and "1.936" in md and "one seed is one seed" in md
 
 
-def _settings(extra: list[str]) -> gpu_study.Settings:
-    return gpu_study.resolve(gpu_study.parser().parse_args(extra), cuda=False)
+def _settings(extra: list[str]) -> gpu_plan.Settings:
+    return gpu_plan.resolve(gpu_study.parser().parse_args(extra), cuda=False)
 
 
 class _Killed(BaseException):
@@ -140,7 +140,7 @@ def _study(pack, tmp_path, s, out):
     bundle = load_prepared(pack[0] / "cache")
     info = {"store": bundle.manifest["dir"], "tokenizer_vocab": bundle.vocab_size,
             "model_vocab": padded_vocab(bundle.vocab_size), "tokens": {"train": 1}}
-    return gpu_study.Study(s, bundle, out, tmp_path / "work", info, {"device": {"name": "cpu"}},
+    return gpu_runs.Study(s, bundle, out, tmp_path / "work", info, {"device": {"name": "cpu"}},
                            t0=time.perf_counter())
 
 
@@ -226,11 +226,11 @@ def test_plan_steps_fills_the_budget():
         return ((n - 24) * 0.1 + sum(n * 0.1 / sp for sp in kw["speeds"][1:]) + 3 * 20.0
                 + 2 * 30.0)
 
-    n = gpu_study.plan_steps(500.0, **kw)
+    n = gpu_plan.plan_steps(500.0, **kw)
     assert cost(n) <= 500.0 * 0.95 < cost(n + 1)
-    assert gpu_study.plan_steps(10.0, **kw) == 25  # no time: the least
-    assert gpu_study.eval_steps(100, 24, 4) == [24, 25, 50, 75, 100]
-    assert gpu_study.eval_steps(5, 2, 2) == [2, 4, 5]
+    assert gpu_plan.plan_steps(10.0, **kw) == 25  # no time: the least
+    assert gpu_plan.eval_steps(100, 24, 4) == [24, 25, 50, 75, 100]
+    assert gpu_plan.eval_steps(5, 2, 2) == [2, 4, 5]
 
 
 def test_effective_experts():
