@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remoe.lab.bench import cli, gpu
+from remoe.lab.bench import cli, gpu, gpu_table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -47,12 +47,12 @@ def test_suite_logic_on_cpu():
         assert r["syncs_forward"] == (r["moe_layers"] if name == "relu" else 0), r["syncs_report"]
         assert (r["sparsity"] is not None) == moe
     assert abs(rows["relu"]["sparsity"] - 0.875) < 0.03  # held at the sparse stage III
-    text = gpu.table(res)
+    text = gpu_table.table(res)
     assert text.splitlines()[0].startswith("| device | preset | row | mb x accum |")
     assert "| cpu | micro | relu | 2 x 1 |" in text and "not run (fewer than 2 GPUs)" in text
     assert rows["topk"]["pairs_per_token"] == 1.0
     assert abs(rows["relu"]["pairs_per_token"] - 1.0) < 0.02  # calibrated on the batches timed
-    (ratio,) = gpu.relu_vs_topk(res["rows"])
+    (ratio,) = gpu_table.relu_vs_topk(res["rows"])
     assert ratio["pair_ratio"] == pytest.approx(
         ratio["tokens_ratio"] * rows["relu"]["pairs_per_token"])
     assert "| ReLU row | vs TopK row |" in text

@@ -109,7 +109,7 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
               compile_backend: str | None = None, log=print) -> dict:
     """Every stage on ``device`` (CUDA in production; CPU in the tests, where
     ``compile_backend`` replaces inductor, whose CPU compilation takes minutes)."""
-    from remoe.lab.bench import gpu
+    from remoe.lab.bench import gpu, gpu_table
     from remoe.model.config import ReMoEConfig
 
     t0 = time.perf_counter()
@@ -150,13 +150,13 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         row = dict(row)
         if row["backend"] and compile_backend:
             row["backend"] = compile_backend
-        name = gpu.row_name(row)
+        name = gpu_table.row_name(row)
         if time.perf_counter() - t0 > budget_s:
             rec.save(name, {"skipped": f"over the {budget_s:.0f} s budget"})
             rec.log(f"[{name}] skipped (over the {budget_s:.0f} s budget)")
             continue
         try:
-            from remoe.train.compile import compile_counters
+            from remoe.train.runtime import compile_counters
 
             if row["backend"]:
                 torch._dynamo.reset()
@@ -196,8 +196,8 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
             rec.log(f"[{name}] profile of one step: wall {p['wall_ms']:.1f} ms, busy "
                     f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}")
     rec.res["elapsed_s"] = time.perf_counter() - t0
-    rec.res["relu_vs_topk"] = gpu.relu_vs_topk(done)
-    rec.save("table", gpu.table({"rows": done, "fsdp_ep": None}))
+    rec.res["relu_vs_topk"] = gpu_table.relu_vs_topk(done)
+    rec.save("table", gpu_table.table({"rows": done, "fsdp_ep": None}))
     rec.log("\n" + rec.res["stages"]["table"])
     rec.log(f"wrote {rec.path} ({rec.res['elapsed_s']:.0f} s)")
     return rec.res
