@@ -18,11 +18,12 @@ ALLOWED = {
     "errors": set(),
     "lazy": set(),  # PEP 562 lazy public names of the light packages
     "safeyaml": {"errors"},
+    "configfields": {"errors", "safeyaml"},  # YAML values onto a config's dataclass fields
     "model": {"errors", "lazy"},  # everything a saved model needs, its bundled code included
     "machine": {"errors"},
     "method": {"errors", "model"},
     "data": {"errors", "lazy", "safeyaml"},
-    "experiment": {"errors", "safeyaml", "model", "data"},
+    "experiment": {"errors", "safeyaml", "configfields", "model", "data"},
     "configfile": {"errors", "experiment"},  # which experiment file a command reads
     "rundir": {"errors", "model", "data", "experiment"},
     "distributed": {"errors", "model", "rundir"},

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from remoe import safeyaml
+from remoe.configfields import build_section, check, check_finite, coerce, parse_override, short
 from remoe.data.config import DataConfig
 from remoe.errors import ConfigError
 from remoe.model import registry
@@ -44,31 +45,31 @@ class RunConfig:
 
     def validate(self) -> None:
         name, out_dir = self.name, self.out_dir
-        _check(isinstance(name, str) and name.strip() != "" and name not in (".", "..")
-               and not any(c in name for c in "/\\") and name.isprintable(),
-               f"run.name={name!r} must be a directory name: not empty, '.' or '..', without "
-               "'/', '\\' or control characters")
+        check(isinstance(name, str) and name.strip() != "" and name not in (".", "..")
+              and not any(c in name for c in "/\\") and name.isprintable(),
+              f"run.name={name!r} must be a directory name: not empty, '.' or '..', without "
+              "'/', '\\' or control characters")
         # the run's archive (<name>.old-<time>-<n>) and temporaries must stay within NAME_MAX
-        _check(len(name.encode("utf-8", "replace")) <= 200, f"run.name={name[:40]!r}... is "
-               f"{len(name.encode('utf-8', 'replace'))} bytes long; at most 200")
-        _check(isinstance(out_dir, str) and out_dir != "" and "\x00" not in out_dir,
-               f"run.out_dir={out_dir!r} must be a non-empty path")
-        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool)
-               and 0 <= self.seed <= MAX_SEED, f"run.seed={self.seed!r} must be an integer in "
-               f"[0, {MAX_SEED}]")
+        check(len(name.encode("utf-8", "replace")) <= 200, f"run.name={name[:40]!r}... is "
+              f"{len(name.encode('utf-8', 'replace'))} bytes long; at most 200")
+        check(isinstance(out_dir, str) and out_dir != "" and "\x00" not in out_dir,
+              f"run.out_dir={out_dir!r} must be a non-empty path")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool)
+              and 0 <= self.seed <= MAX_SEED, f"run.seed={self.seed!r} must be an integer in "
+              f"[0, {MAX_SEED}]")
         out = Path(out_dir)
         for p in (out, *out.parents):  # the nearest existing ancestor must be a directory
             if p.exists():
-                _check(p.is_dir(), f"run.out_dir={out_dir!r} must be a directory, but "
-                       f"{str(p)!r} is a file")
+                check(p.is_dir(), f"run.out_dir={out_dir!r} must be a directory, but "
+                      f"{str(p)!r} is a file")
                 break
         run_dir = out / name
         if run_dir.exists() or run_dir.is_symlink():
-            _check(run_dir.is_dir(), f"run.name={name!r}: {str(run_dir)!r} exists and is not a "
-                   "directory")
-            _check(run_dir.resolve().parent == out.resolve(), f"run.name={name!r}: "
-                   f"{str(run_dir)!r} leads outside run.out_dir={out_dir!r} (to "
-                   f"{str(run_dir.resolve())!r})")
+            check(run_dir.is_dir(), f"run.name={name!r}: {str(run_dir)!r} exists and is not a "
+                  "directory")
+            check(run_dir.resolve().parent == out.resolve(), f"run.name={name!r}: "
+                  f"{str(run_dir)!r} leads outside run.out_dir={out_dir!r} (to "
+                  f"{str(run_dir.resolve())!r})")
 
 
 @dataclass
@@ -146,64 +147,64 @@ class TrainConfig:
     init_lr: float | str = "peak"
 
     def validate(self) -> None:
-        _check_finite(self, "train")
+        check_finite(self, "train")
         for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps",
                      "eval_chunks_per_domain", "eval_batch_size"):
-            _check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)!r} must be >= 1")
+            check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)!r} must be >= 1")
         for name in ("warmup_steps", "eval_every", "save_every", "keep_last", "log_every"):
-            _check(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)!r} must be >= 0")
-        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr={self.lr!r} must be > 0")
-        _check(self.eps > 0, f"train.eps={self.eps!r} must be > 0 (AdamW's denominator term)")
-        _check(0 <= self.min_lr <= self.lr,
-               f"train.min_lr={self.min_lr!r} must be in [0, train.lr={self.lr}]")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-               f"train.beta1/beta2=({self.beta1}, {self.beta2}) must be in [0, 1)")
-        _check(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay!r} must be >= 0")
-        _check(self.grad_clip >= 0, f"train.grad_clip={self.grad_clip!r} must be >= 0")
-        _check(self.max_tokens is None or self.max_tokens > 0,
-               f"train.max_tokens={self.max_tokens!r} must be > 0 or null")
-        _check(self.max_flops is None or self.max_flops > 0,
-               f"train.max_flops={self.max_flops!r} must be > 0 or null")
-        _check(self.device in ("auto", "cpu", "cuda"),
-               f"train.device={self.device!r} must be one of auto, cpu, cuda")
-        _check(self.precision in ("auto", "fp32", "bf16"),
-               f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
-        _check(self.num_threads is None or self.num_threads == "auto" or (
+            check(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)!r} must be >= 0")
+        check(self.lr > 0 and math.isfinite(self.lr), f"train.lr={self.lr!r} must be > 0")
+        check(self.eps > 0, f"train.eps={self.eps!r} must be > 0 (AdamW's denominator term)")
+        check(0 <= self.min_lr <= self.lr,
+              f"train.min_lr={self.min_lr!r} must be in [0, train.lr={self.lr}]")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+              f"train.beta1/beta2=({self.beta1}, {self.beta2}) must be in [0, 1)")
+        check(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay!r} must be >= 0")
+        check(self.grad_clip >= 0, f"train.grad_clip={self.grad_clip!r} must be >= 0")
+        check(self.max_tokens is None or self.max_tokens > 0,
+              f"train.max_tokens={self.max_tokens!r} must be > 0 or null")
+        check(self.max_flops is None or self.max_flops > 0,
+              f"train.max_flops={self.max_flops!r} must be > 0 or null")
+        check(self.device in ("auto", "cpu", "cuda"),
+              f"train.device={self.device!r} must be one of auto, cpu, cuda")
+        check(self.precision in ("auto", "fp32", "bf16"),
+              f"train.precision={self.precision!r} must be one of auto, fp32, bf16")
+        check(self.num_threads is None or self.num_threads == "auto" or (
             isinstance(self.num_threads, int) and not isinstance(self.num_threads, bool)
             and self.num_threads >= 1),
-               f"train.num_threads={self.num_threads!r} must be an integer >= 1, null (all usable "
-               "cores) or auto (timed)")
-        _check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
-               f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
-        _check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
-        _check(self.dispatch_plan in ("exact", "static", "capacity"),
-               f"train.dispatch_plan={self.dispatch_plan!r} must be exact, static or capacity")
-        _check(self.adamw_impl in ("auto", "foreach", "fused", "single"),
-               f"train.adamw_impl={self.adamw_impl!r} must be auto, foreach, fused or single")
-        _check(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens,
-                                                                          bool)
-               and self.loss_chunk_tokens >= 0,
-               f"train.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0")
-        _check(isinstance(self.pin_memory, bool),
-               f"train.pin_memory={self.pin_memory!r} must be true or false")
-        _check(self.keep_optimizer in ("all", "newest"),
-               f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
-        _check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
-               f"train.init_from={self.init_from!r} must be a directory or null")
+              f"train.num_threads={self.num_threads!r} must be an integer >= 1, null (all usable "
+              "cores) or auto (timed)")
+        check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
+              f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
+        check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
+        check(self.dispatch_plan in ("exact", "static", "capacity"),
+              f"train.dispatch_plan={self.dispatch_plan!r} must be exact, static or capacity")
+        check(self.adamw_impl in ("auto", "foreach", "fused", "single"),
+              f"train.adamw_impl={self.adamw_impl!r} must be auto, foreach, fused or single")
+        check(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens,
+                                                                         bool)
+              and self.loss_chunk_tokens >= 0,
+              f"train.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0")
+        check(isinstance(self.pin_memory, bool),
+              f"train.pin_memory={self.pin_memory!r} must be true or false")
+        check(self.keep_optimizer in ("all", "newest"),
+              f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
+        check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
+              f"train.init_from={self.init_from!r} must be a directory or null")
         if isinstance(self.init_lr, str) and self.init_lr not in ("peak", "source"):
             try:  # YAML reads 1e-3 (no dot) as a string
                 self.init_lr = float(self.init_lr)
             except ValueError:
                 pass
-        _check(self.init_lr in ("peak", "source") or (
+        check(self.init_lr in ("peak", "source") or (
             isinstance(self.init_lr, (int, float)) and not isinstance(self.init_lr, bool)
             and math.isfinite(self.init_lr) and self.init_lr > 0),
-               f"train.init_lr={self.init_lr!r} must be peak, source or a learning rate > 0")
-        _check(self.init_lr == "peak" or self.init_from is not None,
-               f"train.init_lr={self.init_lr!r} needs train.init_from (a fresh run warms up to "
-               "train.lr)")
-        _check(self.init_lambda is None or self.init_lambda > 0,
-               f"train.init_lambda={self.init_lambda!r} must be > 0 or null (measured)")
+              f"train.init_lr={self.init_lr!r} must be peak, source or a learning rate > 0")
+        check(self.init_lr == "peak" or self.init_from is not None,
+              f"train.init_lr={self.init_lr!r} needs train.init_from (a fresh run warms up to "
+              "train.lr)")
+        check(self.init_lambda is None or self.init_lambda > 0,
+              f"train.init_lambda={self.init_lambda!r} must be > 0 or null (measured)")
 
 
 @dataclass
@@ -212,9 +213,9 @@ class AnalysisConfig:
     calib_tokens: int = 1024  # size of the fixed calibration set for flip rates
 
     def validate(self) -> None:
-        _check(self.record_masks_every >= 0,
-               f"analysis.record_masks_every={self.record_masks_every!r} must be >= 0")
-        _check(self.calib_tokens >= 1, f"analysis.calib_tokens={self.calib_tokens!r} must be >= 1")
+        check(self.record_masks_every >= 0,
+              f"analysis.record_masks_every={self.record_masks_every!r} must be >= 0")
+        check(self.calib_tokens >= 1, f"analysis.calib_tokens={self.calib_tokens!r} must be >= 1")
 
 
 @dataclass
@@ -266,104 +267,19 @@ class ExperimentConfig:
 
 # ----------------------------------------------------------------------------- loading
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def _check_finite(obj: Any, section: str) -> None:
-    """Every float field of a config dataclass is finite (NaN passes every comparison check)."""
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, float):
-            _check(math.isfinite(v), f"{section}.{f.name}={v!r} must be a finite number")
-
-
-_SIMPLE = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def _coerce(value: Any, type_str: str, where: str) -> Any:
-    """Check ``value`` against a dataclass annotation string; ints are accepted for floats."""
-    t = type_str.replace(" ", "")
-    optional = t.endswith("|None") or t.startswith("Optional[")
-    t = t.removesuffix("|None")
-    if value is None:
-        _check(optional, f"{where}=null is not allowed (expected {t})")
-        return None
-    if t.startswith("list["):
-        inner = t[5:-1]
-        _check(isinstance(value, list), f"{where}={value!r} must be a list of {inner}")
-        return [_coerce(v, inner, where) for v in value]
-    if t == "Any":
-        return value
-    py = _SIMPLE.get(t)
-    if py is None:
-        return value
-    if py is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check(math.isfinite(value), f"{where}={value!r} must be a finite number")
-        return float(value)
-    if py is float and isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
-        try:
-            f = float(value)
-        except ValueError:
-            pass
-        else:
-            _check(math.isfinite(f), f"{where}={value!r} must be a finite number")
-            return f
-    ok = isinstance(value, py) and not (py is int and isinstance(value, bool))
-    _check(ok, f"{where}={value!r} must be of type {t}")
-    return value
-
-
-def _build(cls, values: dict[str, Any], section: str):
-    _check(isinstance(values, dict), f"{section} must be a mapping, got {values!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        _check(key in fields, f"unknown key {section}.{key} (allowed: {', '.join(fields)})")
-        kwargs[key] = _coerce(value, str(fields[key].type), f"{section}.{key}")
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        obj.validate()
-    return obj
-
-
 def _build_model_section(values: dict[str, Any]) -> dict[str, Any]:
-    _check(isinstance(values, dict), f"model must be a mapping, got {values!r}")
+    check(isinstance(values, dict), f"model must be a mapping, got {values!r}")
     # every model field's type; a user router's options too (its module is imported for them)
     types = field_types(values.get("router", RoutingConfig.router), values.get("router_module"))
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key == "preset":
-            _check(value in PRESETS, f"model.preset={value!r} must be one of {', '.join(PRESETS)}")
+            check(value in PRESETS, f"model.preset={value!r} must be one of {', '.join(PRESETS)}")
             out[key] = value
             continue
-        _check(key in types, f"unknown key model.{key} (allowed: preset, {', '.join(types)})")
-        out[key] = _coerce(value, types[key], f"model.{key}")
+        check(key in types, f"unknown key model.{key} (allowed: preset, {', '.join(types)})")
+        out[key] = coerce(value, types[key], f"model.{key}")
     return out
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], YAML-parsed value)."""
-    _check("=" in text, f"--set {text!r} must look like section.key=value")
-    key, raw = text.split("=", 1)
-    path = key.strip().split(".")
-    _check(len(path) == 2 and all(path), f"--set {text!r}: key must be section.key (e.g. "
-           "model.num_experts=16)")
-    try:
-        value = safeyaml.load_text(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = _plain_list(raw)
-    return path, value
-
-
-def _plain_list(raw: str) -> Any:
-    """A ``[a, b]`` that YAML refuses (a source spec's ``?text=c&domain=s`` reads as YAML's
-    complex-key marker) as the list of its comma-separated items, as written; else ``raw``."""
-    text = raw.strip()
-    if len(text) >= 2 and text[0] == "[" and text[-1] == "]" and "[" not in text[1:-1]:
-        return [item.strip() for item in text[1:-1].split(",") if item.strip()]
-    return raw
 
 
 SECTIONS = ("run", "model", "data", "train", "analysis")
@@ -371,15 +287,6 @@ SECTIONS = ("run", "model", "data", "train", "analysis")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_remoe.yaml"
 #: an unset model.vocab_size follows the tokenizer, rounded up to a multiple of this
 VOCAB_MULTIPLE = 64
-
-
-def _short(v: Any, n: int = 60) -> str:
-    import reprlib
-
-    r = reprlib.Repr()  # bounded: never walks more of a big value than it shows
-    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 6, 6, n, n
-    text = r.repr(v)
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def ep_routers() -> tuple[str, ...]:
@@ -423,20 +330,20 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
         loaded = safeyaml.read_file(p)
         # an empty file (or only comments) is the default experiment
         raw = {} if loaded is None else loaded
-        _check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections, got "
-               f"{type(raw).__name__} {_short(raw)}")
+        check(isinstance(raw, dict), f"config={str(p)!r} must be a mapping of sections, got "
+              f"{type(raw).__name__} {short(raw)}")
     for k, v in raw.items():
-        _check(k in SECTIONS, f"unknown section {k!r} (allowed: {', '.join(SECTIONS)})")
-        _check(v is None or isinstance(v, dict), f"section {k} must be a mapping of keys "
-               f"(key: value lines indented under '{k}:'), got {type(v).__name__} {_short(v)}")
+        check(k in SECTIONS, f"unknown section {k!r} (allowed: {', '.join(SECTIONS)})")
+        check(v is None or isinstance(v, dict), f"section {k} must be a mapping of keys "
+              f"(key: value lines indented under '{k}:'), got {type(v).__name__} {short(v)}")
     # an empty section (`model:` alone, or {}) is the same as no section: its defaults
     raw = {k: dict(v) for k, v in raw.items() if v}
     file_model = raw.pop("model", None)
     set_model: dict[str, Any] = {}  # --set model.x=... refines the file's (or default) model
     for text in overrides or []:
         (section, key), value = parse_override(text)
-        _check(section in SECTIONS, f"--set {text!r}: unknown section {section!r} "
-               f"(allowed: {', '.join(SECTIONS)})")
+        check(section in SECTIONS, f"--set {text!r}: unknown section {section!r} "
+              f"(allowed: {', '.join(SECTIONS)})")
         if section == "model":
             set_model[key] = value
         else:
@@ -445,20 +352,20 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
         # the model comes from the source; the section holds overrides of its config
         base = {} if default_file or file_model is None else file_model
         model, spec = _build_model_section({**base, **set_model}), None
-        _check("preset" not in model, f"model.preset={model.get('preset')!r} cannot be combined "
-               "with train.init_from: the model's shape comes from the source; remove it")
+        check("preset" not in model, f"model.preset={model.get('preset')!r} cannot be combined "
+              "with train.init_from: the model's shape comes from the source; remove it")
     else:
         base = file_model if file_model is not None else {"preset": "tiny"}
         model = _build_model_section({**base, **set_model})
         spec = ModelSpec.from_flat(model)  # the one parse and validation of every model field
         spec.validate()
     cfg = ExperimentConfig(
-        run=_build(RunConfig, raw.get("run", {}), "run"),
+        run=build_section(RunConfig, raw.get("run", {}), "run"),
         model=model,
         spec=spec,
-        data=_build(DataConfig, raw.get("data", {}), "data"),
-        train=_build(TrainConfig, raw.get("train", {}), "train"),
-        analysis=_build(AnalysisConfig, raw.get("analysis", {}), "analysis"),
+        data=build_section(DataConfig, raw.get("data", {}), "data"),
+        train=build_section(TrainConfig, raw.get("train", {}), "train"),
+        analysis=build_section(AnalysisConfig, raw.get("analysis", {}), "analysis"),
     )
     if cfg.train.init_from is not None:  # the model checks need the source: at the run's start
         return cfg
@@ -467,16 +374,16 @@ def load_config(path: str | Path | dict[str, Any] | None = None,
     if "vocab_size" in cfg.model and cfg.data.tokenizer is None:
         # a trained byte-level BPE has the 256 bytes and an end-of-text token at least: no data
         # needs preparing to know that a smaller embedding cannot hold its ids
-        _check(spec.backbone.vocab_size >= 257, f"model.vocab_size={spec.backbone.vocab_size} "
-               "must be >= 257: the trained byte-level tokenizer has 256 byte tokens and an "
-               f"end-of-text token (data.vocab_size={cfg.data.vocab_size} asks for "
-               f"{cfg.data.vocab_size}); leave model.vocab_size unset to follow the tokenizer")
+        check(spec.backbone.vocab_size >= 257, f"model.vocab_size={spec.backbone.vocab_size} "
+              "must be >= 257: the trained byte-level tokenizer has 256 byte tokens and an "
+              f"end-of-text token (data.vocab_size={cfg.data.vocab_size} asks for "
+              f"{cfg.data.vocab_size}); leave model.vocab_size unset to follow the tokenizer")
     if cfg.train.expert_parallel:  # the world size is checked when training starts
         check_expert_parallel(spec.routing.router, spec.routing.num_routed)
     if spec.control.revive_after and spec.control.revive_method == "split":
         for name in ("expert_parallel", "fsdp"):  # a split copies rows across all experts
-            _check(not getattr(cfg.train, name), f"model.revive_method=split needs every "
-                   f"expert's weights on every rank; set train.{name}=false or use the hinge")
-    _check(cfg.train.seq_len <= max_pos,
-           f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
+            check(not getattr(cfg.train, name), f"model.revive_method=split needs every "
+                  f"expert's weights on every rank; set train.{name}=false or use the hinge")
+    check(cfg.train.seq_len <= max_pos,
+          f"train.seq_len={cfg.train.seq_len} must be <= model.max_position_embeddings={max_pos}")
     return cfg
