@@ -126,12 +126,12 @@ class TrainConfig:
     # FSDP2 under torchrun: decoder blocks and root sharded over the ranks, sharded (DCP)
     # checkpoints (remoe.distributed.fsdp, remoe.distributed.dcp; docs/SCALING.md)
     fsdp: bool = False
-    compile: bool = False  # torch.compile each decoder block (remoe.train.compile); off: eager
+    compile: bool = False  # torch.compile each decoder block (remoe.train.runtime); off: eager
     # the device path's plan for data-dependent routing (ReLU): exact (nonzero, one host sync
     # per MoE layer; the faster one measured on an H200) | static (padded to a static capacity:
     # no sync, but the padding rows' work and memory; docs/SCALING.md) | capacity (padded to a
     # capacity from the previous steps' counts: no sync, one graph per compiled block, a step
-    # whose pairs do not fit redone; remoe.train.compile.CapacityPlan)
+    # whose pairs do not fit redone; remoe.train.control.CapacityPlan)
     dispatch_plan: str = "exact"
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE

@@ -84,7 +84,7 @@ def test_p_floor_counts_distinct_partitions():
 
 def test_calibration_rows_get_their_domains_from_the_cache(micro_data_cfg):
     from remoe.data import load_prepared
-    from remoe.train.masks import calibration_set
+    from remoe.train.metrics import calibration_set
 
     bundle = load_prepared(micro_data_cfg.cache_dir, verify=False)
     seq = 32

@@ -26,7 +26,7 @@ import pytest
 from remoe.errors import ConfigError
 from remoe.experiment import padded_vocab
 from remoe.lab.study import gpu_data, gpu_plan, gpu_record, gpu_runs, gpu_study
-from remoe.train.schedule import cosine_lr
+from remoe.train.optim import cosine_lr
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import torch
 from remoe import MoEConfig, MoELayer, ReMoEConfig
 from remoe.errors import ConfigError
 from remoe.experiment import load_config
-from remoe.train import revive_split
-from remoe.train.revive_split import pick_split, split_expert, split_generator
+from remoe.train import control
+from remoe.train.control import pick_split, split_expert, split_generator
 
 
 def test_pick_split_takes_the_longest_silent_dead_expert_and_the_busiest_live_one():
@@ -37,7 +37,7 @@ def test_a_noiseless_split_leaves_the_layer_function_unchanged(monkeypatch):
     x = torch.randn(64, 16).abs()  # router row e is all -1: expert e gets no token
     y0, aux0 = layer(x)
     assert aux0.active_counts_N[e] == 0 and aux0.active_counts_N[b] > 0
-    monkeypatch.setattr(revive_split, "NOISE", 0.0)
+    monkeypatch.setattr(control, "NOISE", 0.0)
     split_expert(layer.router.weight, layer.experts.w_in_ND2H, layer.experts.w_out_NHD, e, b,
                  split_generator(0, 0, 0))
     y1, aux1 = layer(x)
@@ -64,7 +64,7 @@ def test_split_copies_optimizer_rows_and_draws_the_same_noise_for_the_same_seed(
     assert torch.equal(a.router.weight, c.router.weight)  # same seed, step, layer: same noise
     w = a.router.weight
     rel = (w[e] - w[b]).pow(2).mean().sqrt() / w[b].pow(2).mean().sqrt()
-    assert 0.5 * revive_split.NOISE < rel < 1.5 * revive_split.NOISE
+    assert 0.5 * control.NOISE < rel < 1.5 * control.NOISE
     assert torch.equal(a.experts.w_out_NHD[b], 0.5 * before["experts.w_out_NHD"][b])
     assert torch.equal(a.experts.w_out_NHD[e], a.experts.w_out_NHD[b])
     others = [i for i in range(8) if i not in (e, b)]

@@ -9,7 +9,7 @@ import torch
 
 from remoe.model.routers.base import Router
 from remoe.model.routers.relu_threshold import ReLUThresholdRouter
-from remoe.train.accumulate import StepTotals
+from remoe.train.control import StepTotals
 from remoe.train.control import StepControl
 
 

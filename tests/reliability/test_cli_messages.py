@@ -36,7 +36,7 @@ def test_a_field_given_as_the_config_path_suggests_set(capsys):
 
 
 def test_progress_line_of_a_run_without_lambda_does_not_print_one():
-    from remoe.train.progress import stats_text
+    from remoe.train.metrics import stats_text
 
     rec = {"lm_loss": 5.0, "sparsity": 0.875, "lambda": 0.0, "lr": 1e-3}
     assert "lambda" not in stats_text(rec)

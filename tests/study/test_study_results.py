@@ -125,7 +125,7 @@ def test_expert_use_table_sets_topk_beside_relu_with_seed_spread(write_spec, tmp
     masks, per run (mean ± std over seeds) and layer, TopK rows beside ReLU rows."""
     import torch
 
-    from remoe.train.masks import write_masks
+    from remoe.train.metrics import write_masks
 
     spec = load_spec(write_spec({"seeds": [0, 1], "groups": [
         {"name": "g", "grid": {"model.router": ["topk", "relu"]}}]}))  # micro: 2 layers, E=4

@@ -15,10 +15,10 @@ from torch._dynamo.utils import counters
 
 from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
 from remoe.machine.syncs import SyncCounter
-from remoe.train import compile as compiling
-from remoe.train.compile import CapacityPlan
+from remoe.train import runtime
+from remoe.train.control import CapacityPlan
 
-_COMPILE_BLOCKS = compiling.compile_blocks
+_COMPILE_BLOCKS = runtime.compile_blocks
 
 
 def _trainer(tmp_path, name, plan, extra=(), router="relu", grad_accum=2):
@@ -98,7 +98,7 @@ def test_no_sync_in_any_moe_layer_and_one_per_step(tmp_path):
 def dynamo(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(compiling, "compile_blocks",
+    monkeypatch.setattr(runtime, "compile_blocks",
                         functools.partial(_COMPILE_BLOCKS, backend="eager"))
     yield
     torch._dynamo.reset()
@@ -112,10 +112,10 @@ def test_compiled_one_graph_per_block_and_no_recompile_after_warm_up(tmp_path, d
         graphs, caps = [], []
         for _ in range(14):
             rec = t.train_step()
-            graphs.append(compiling.compile_counters()["frames"])
+            graphs.append(runtime.compile_counters()["frames"])
             caps.append(tuple(rec["plan_capacity"]))
         assert len(set(caps)) > 3  # the capacities moved
-        assert compiling.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
+        assert runtime.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
         # FULL, then the first fitted value, then symbolic: at most 3 graphs, none after step 3
         assert 1 <= graphs[-1] <= 3 and graphs[-1] == graphs[3], graphs
     finally:

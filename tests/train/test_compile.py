@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
 from remoe.errors import ConfigError
 from remoe.experiment import load_config
-from remoe.train import compile as compiling
+from remoe.train import runtime
 
-_COMPILE_BLOCKS = compiling.compile_blocks
+_COMPILE_BLOCKS = runtime.compile_blocks
 
 
 def _train(tmp_path, router, compiled, steps, backend="eager", extra=()):
@@ -40,7 +40,7 @@ def _train(tmp_path, router, compiled, steps, backend="eager", extra=()):
             rec = t.train_step()
             losses.append(rec["loss"])
             sparsity.append(rec["sparsity"])
-            graphs.append(compiling.compile_counters()["frames"])
+            graphs.append(runtime.compile_counters()["frames"])
         keys = sorted(t.model.state_dict())
     finally:
         close_trainer(t)
@@ -54,7 +54,7 @@ def dynamo(monkeypatch):
     counters.clear()
 
     def use(backend):
-        monkeypatch.setattr(compiling, "compile_blocks",
+        monkeypatch.setattr(runtime, "compile_blocks",
                             functools.partial(_COMPILE_BLOCKS, backend=backend))
 
     yield use
@@ -72,7 +72,7 @@ def test_relu_twenty_steps_compiled_equal_eager_without_recompiles(tmp_path, dyn
     warm = 2
     recompiles = graphs[-1] - graphs[warm - 1]
     assert graphs[0] >= 1 and recompiles == 0, graphs
-    assert compiling.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
+    assert runtime.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
     assert keys == keys_eager  # compiled in place: the same parameter names
 
 
@@ -98,9 +98,9 @@ def test_dispatch_plan_is_exact_by_default_and_checked(tmp_path):
     from remoe.model import ReMoEForCausalLM
 
     model = ReMoEForCausalLM(cfg.model_config(vocab_size=64))
-    assert compiling.set_dispatch_plan(model, "static") == len(model.layers)
+    assert runtime.set_dispatch_plan(model, "static") == len(model.layers)
     assert all(m.static_plan for m in model.modules() if isinstance(m, MoELayer))
-    compiling.set_dispatch_plan(model, "exact")
+    runtime.set_dispatch_plan(model, "exact")
     assert not any(m.static_plan for m in model.modules() if isinstance(m, MoELayer))
 
 
@@ -113,7 +113,7 @@ def test_aot_autograd_traces_the_block_with_its_plan(tmp_path, dynamo, router):
     for a, b in zip(eager, compiled):
         assert abs(a - b) <= 2e-3 * abs(a), (eager, compiled)  # bf16 rounding, decomposed
     assert graphs[-1] == graphs[0] >= 1, graphs
-    assert compiling.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
+    assert runtime.compile_counters()["graph_breaks"] == 0, dict(counters["graph_break"])
 
 
 def test_compile_is_off_by_default_and_a_bool():

@@ -9,10 +9,9 @@ import torch
 from remoe.model.config import ReMoEConfig
 from remoe.method.losses import step_statistics
 from remoe.model import ReMoEForCausalLM
-from remoe.train.accumulate import StepSums
-from remoe.train.control import StepControl
+from remoe.train.control import StepControl, StepSums
+from remoe.train.metrics import ProgressLines
 from remoe.train.optim import TrainingDiverged, apply_gradients, check_finite_losses
-from remoe.train.progress import ProgressLines
 
 
 def test_step_statistics_by_hand():
@@ -120,7 +119,7 @@ def test_progress_eta_ignores_the_first_steps_warm_up(capsys, monkeypatch):
     # step 1 takes 80 s (warm-up), then 10 s per step: the ETA at step 3 of 10 is 7 x 10 s,
     # not (100 s / 3) x 7 nor 80 s x 7 (the first ETAs were ~8x too high)
     clock = iter([80.0, 90.0, 100.0])
-    monkeypatch.setattr("remoe.train.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("remoe.train.metrics.time.monotonic", lambda: next(clock))
     lines = ProgressLines(total=10, every=1)
     for step, secs in ((1, 80.0), (2, 10.0), (3, 10.0)):
         lines.update({"step": step, "tokens": 10 * step, "step_tokens": 10,

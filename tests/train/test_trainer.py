@@ -5,12 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from remoe import rundir
 from remoe.rundir.loading import latest_checkpoint
-from remoe.train import checkpoint as ckpt_io
 from remoe.experiment import load_config
 from remoe.train.metrics import without_machine_keys as strip_timing
-from remoe.train.optim import TrainingDiverged
-from remoe.train.schedule import cosine_lr
+from remoe.train.optim import TrainingDiverged, cosine_lr
 from remoe.train.trainer import Trainer
 
 
@@ -72,7 +71,7 @@ def test_keep_last_and_atomic_latest(make_overrides, tmp_path):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000005", "step_0000006"]
     assert latest_checkpoint(root).name == "step_0000006"
     assert not list(root.glob(".*tmp*"))
-    state = ckpt_io.load_trainer_state(root / "step_0000006")
+    state = rundir.load_state(root / "step_0000006")
     assert state["step"] == 6 and state["controller"]["steps"] == 6
 
 

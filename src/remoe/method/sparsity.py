@@ -22,7 +22,7 @@ Options (``model.sparsity_control`` / ``model.lambda_update``; docs/CONTROL.md):
   expert received no token; experts silent for ``revive_after`` steps get their router's
   revival hinge (remoe.model.routers.relu; the dead experts go into the next forward as
   ``revive=``, :meth:`SparsityControl.revive_masks`) or, with ``revive_method="split"``, become
-  copies of busy experts (remoe.train.revive_split).
+  copies of busy experts (remoe.train.control.split_expert).
 
 :class:`SparsityControl` is the one object the trainers hold (``remoe train`` and
 ``ReMoETrainer``, both through :class:`remoe.train.control.StepControl`): the lambda(s), each a

@@ -370,7 +370,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         ``revive`` (training): per MoE layer, the experts under revival (bool ``[N]`` or None),
         given to its router as ``RouterContext.revive_N`` (remoe.method.sparsity).
         ``capacity`` (training on a GPU): per MoE layer, the pair capacity of its on-device
-        dispatch plan (``RouterContext.capacity``; remoe.train.compile.CapacityPlan).
+        dispatch plan (``RouterContext.capacity``; remoe.train.control.CapacityPlan).
         ``loss_chunk_tokens`` (with ``labels``): the LM head and loss over chunks of this many
         tokens (:func:`chunked_lm_loss`; ``logits`` is then None); 0: the whole batch.
         The KV cache comes as ``past_key_values=`` (transformers < 5.24) or ``cache=``

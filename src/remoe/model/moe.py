@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
     #: data-dependent routing on the device path: False = the exact plan (``nonzero``: one host
     #: sync per call), True = a plan padded to a static capacity (no sync, shapes fixed by T;
     #: the padding rows cost work and memory: 0.61x the exact plan's tokens/s on an H200,
-    #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.compile.set_dispatch_plan).
+    #: docs/SCALING.md). Set by ``train.dispatch_plan`` (remoe.train.runtime.set_dispatch_plan).
     #: A ``capacity`` in the router context (``train.dispatch_plan=capacity``) overrides both.
     static_plan: bool = False
 

@@ -7,7 +7,7 @@ Legend: T tokens, D model width, S shared expert width.
 (``shared_expert_gate: false``). The MoE layer adds it to the routed output
 (``model.shared_expert_size`` > 0; 0, the default, builds nothing). The router never sees it:
 sparsity, the L1 control and the load-balancing losses concern the routed experts only, and
-every token pays the shared expert's compute (counted by :mod:`remoe.train.flops`).
+every token pays the shared expert's compute (counted by remoe.train.metrics.FlopCounter).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ ROUTERS = tuple(registry.BUILTINS)
 SPARSITY_CONTROLS = ("global", "per_layer")  # one lambda for the model (paper) | one per layer
 LAMBDA_UPDATES = ("sign", "pi")  # eq. 6's sign rule (paper) | proportional-integral in log space
 #: what happens to a dead expert: a hinge pulls its router row back | it becomes a copy of the
-#: busiest expert of its layer (remoe.train.revive_split)
+#: busiest expert of its layer (remoe.train.control.split_expert)
 REVIVE_METHODS = ("hinge", "split")
 EXPERT_BACKENDS = ("auto", "fused", "grouped_mm", "reference")
 #: transformers' generic token ids: model fields too (YAML ``model.eos_token_id``), no section

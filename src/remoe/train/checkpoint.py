@@ -1,5 +1,5 @@
-"""Checkpoints: verified atomic writes, keep-last-N, resume selection, and loading a model from
-any run/checkpoint/HF dir.
+"""Checkpoints: verified atomic writes, keep-last-N, resume selection, the checks of a changed
+config, the run's own tokenizer, and the RNG states (so that ``--resume`` continues bit-exactly).
 
 A checkpoint directory is a complete Hugging Face repository (``model.safetensors``,
 ``config.json`` with ``auto_map`` and the bundled model code, tokenizer files, generation config,
@@ -14,10 +14,12 @@ checkpoint's name, and ``--resume`` takes the newest checkpoint whose files veri
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -142,10 +144,6 @@ def find_resume_checkpoint(ckpt_root: Path, report: bool = True
         raise ConfigError(f"--resume: no checkpoint under {ckpt_root} verifies ({why}); start "
                           "over with --overwrite")
     return ckpt, state
-
-
-def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return rundir.load_state(ckpt)
 
 
 # ----------------------------------------------------------------------------- config changes
@@ -329,3 +327,39 @@ def keep_run_tokenizer(run_dir: Path, data: Any, resume: bool) -> Path | None:
 def unwrap(model):
     """The ReMoEForCausalLM inside a DDP wrapper."""
     return getattr(model, "module", model)
+
+
+# ----------------------------------------------------------------------------- RNG states
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def to_weights_only(obj: Any) -> Any:
+    """Make python/numpy RNG states loadable with ``torch.load(weights_only=True)``."""
+    if isinstance(obj, tuple):
+        return [to_weights_only(o) for o in obj]
+    if isinstance(obj, list):
+        return [to_weights_only(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_weights_only(v) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), int(np_state[2]),
+                         int(np_state[3]), float(np_state[4])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

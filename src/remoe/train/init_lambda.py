@@ -33,11 +33,10 @@ def initial_lambda(model, inputs, per_layer: bool, dist_enabled: bool = False,
     import torch
     import torch.distributed as dist
 
-    from remoe.model.routers import Router
+    from remoe.train.control import routed_ffns
 
     if routers is None:
-        routers = [b.ffn.router for b in model.layers
-                   if isinstance(getattr(b.ffn, "router", None), Router)]
+        routers = [f.router for f in routed_ffns(model)]
     if isinstance(inputs, torch.Tensor):
         inputs = {"input_ids": inputs, "labels": inputs, "train_step": 0}
     input_ids = inputs["input_ids"]

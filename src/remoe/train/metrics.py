@@ -1,17 +1,26 @@
-"""What a run writes as it goes: ``metrics.jsonl`` / ``eval.jsonl`` lines, and at its end the
-summary (``summary.json``) and its text."""
+"""What a run records and shows as it goes: the ``metrics.jsonl`` / ``eval.jsonl`` lines and the
+training FLOPs they count, the routing masks of the calibration set, the progress a terminal (or a
+log) shows, and at its end the summary (``summary.json``) and its text."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from remoe import rundir
-from remoe.machine import perf
 from remoe.errors import ConfigError
+from remoe.machine import perf
+from remoe.method.expertuse import no_expert_share_of
+from remoe.model import registry
+from remoe.model.spec import ModelSpec
 
 #: metrics.jsonl keys that measure the machine rather than the run's state: they differ between
 #: two runs of one config (and between a run and its resume) while every other number is equal.
@@ -150,3 +159,190 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"settled at step {f(s['settling_step'], 'd')}")
     lines.append(f"outputs      metrics {s['run_dir']}/metrics.jsonl, model {s['final_dir']}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+@dataclass
+class FlopCounter:
+    """Training FLOPs counted from the experts that were actually active; ``spec``: the model
+    config (``ReMoEConfig.spec``, or a model's ``model.spec``).
+
+    Matmul FLOPs only (2 per multiply-add), after Narayanan et al. (2021): per token and layer
+    the attention projections, the attention scores and values (``2 * 2 * S * D``), the router,
+    and ``2 * 3 * D * H`` per active (token, expert) pair (SwiGLU has three projections); plus
+    the LM head. A shared expert (``shared_expert_size`` S > 0) costs every token
+    ``2 * 3 * D * S`` in each MoE layer, plus ``2 * D`` for its gate; attention biases and q/k
+    norms are not matmuls. Training = 3x forward (backward costs two forwards). ReMoE is denser
+    in stages I-II, so its FLOPs per step are higher there: this is what makes matched-compute
+    comparisons possible (paper §4.3).
+    """
+
+    spec: ModelSpec
+    seq_len: int
+
+    def __post_init__(self) -> None:  # what a step's count needs, read once from the config
+        self._kind = registry.resolve(self.spec.routing.router)
+        self._fixed, self._pair = self._per_token_fixed(), self.expert_pair_flops()
+
+    @property
+    def _is_moe(self) -> bool:
+        return bool(registry.declares(self.spec.routing.router, "is_moe"))
+
+    def _per_token_fixed(self) -> float:
+        b, r = self.spec.backbone, self.spec.routing
+        D, L, dh = b.hidden_size, b.num_layers, b.head_dim
+        attn_proj = D * (b.num_heads * dh) * 2 + D * (b.num_kv_heads * dh) * 2
+        attn_scores = 2 * self.seq_len * b.num_heads * dh  # QK^T and AV
+        kind = registry.resolve(r.router)
+        moe = self._is_moe
+        router = D * r.num_routed if moe and kind.has_router_weights else 0
+        per_layer = 2 * (attn_proj + router) + 2 * attn_scores
+        if moe and r.shared_expert_size:
+            per_layer += 2 * (3 * D * r.shared_expert_size + (D if r.shared_expert_gate else 0))
+        if not moe:
+            per_layer += 2 * 3 * D * kind.width(self.spec)
+        return L * per_layer + 2 * D * b.vocab_size
+
+    def expert_pair_flops(self) -> float:
+        """Forward FLOPs of one active (token, expert) pair."""
+        b = self.spec.backbone
+        return 2 * 3 * b.hidden_size * (b.ffn_hidden_size // self.spec.routing.granularity)
+
+    def forward_flops(self, tokens: int, active_pairs: float) -> float:
+        """Forward FLOPs of ``tokens`` tokens whose MoE layers used ``active_pairs`` pairs in all."""
+        return tokens * self._fixed + active_pairs * self._pair
+
+    def effective_pairs(self, counted_pairs: float, tokens: int) -> float:
+        """Pairs that cost an expert computation. Lory reports every expert as used by every
+        token but computes one merged expert per token (plus merging E experts per segment)."""
+        return self._kind.effective_pairs(self.spec, counted_pairs, tokens)
+
+    def train_flops(self, tokens: int, active_pairs: float) -> float:
+        return 3.0 * self.forward_flops(tokens, active_pairs)
+
+    def sparse_train_flops_per_token(self) -> float:
+        """Training FLOPs per token at exactly k*G experts in every MoE layer."""
+        r = self.spec.routing
+        pairs = self.spec.backbone.num_layers * r.top_k * r.granularity if self._is_moe else 0
+        return self.train_flops(1, pairs)
+
+
+# ----------------------------------------------------------------------------- routing masks
+# Recorded during training: the fixed calibration sequences they are taken on, and the
+# ``routing/masks_STEP.npz`` files (bit-packed ``[L, T, N]``) ``remoe analyze`` reads, with the
+# share of the calibration tokens routed to no expert in each layer (``no_expert_share``
+# ``[L]``: the one expert-use number the step's counts cannot give).
+
+def calibration_set(data, seq_len: int, calib_tokens: int) -> torch.Tensor | None:
+    """About ``calib_tokens`` tokens of validation sequences, the domains interleaved so that
+    every domain is kept (None: no validation data)."""
+    n = max(1, math.ceil(calib_tokens / seq_len))  # sequences in the calibration set
+    per_domain = max(1, math.ceil(n / max(1, len(data.domains))))
+    rows = [ids[:, :seq_len] for ids, _ in data.eval_batches(
+        "validation", seq_len=seq_len, batch_size=n, max_chunks_per_domain=per_domain)]
+    if not rows:
+        return None
+    ids = torch.cat(rows)  # domain after domain
+    return ids[round_robin(ids.shape[0], per_domain)][:n]
+
+
+def round_robin(total: int, per_group: int) -> torch.Tensor:
+    """Indices visiting consecutive groups of ``per_group`` rows in turn (one row each)."""
+    idx = torch.arange(total)
+    groups = (total + per_group - 1) // per_group
+    key = (idx % per_group) * groups + idx // per_group
+    return idx[key.argsort()]
+
+
+def write_masks(run_dir: Path, step: int, masks: list[torch.Tensor],
+                token_ids: torch.Tensor) -> Path:
+    """Write one forward's masks (per MoE layer bool ``[T, N]``) atomically; returns the path."""
+    masks_LTN = torch.stack([m.cpu() for m in masks]).numpy()
+    out_dir = run_dir / "routing"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"masks_{step:07d}.npz"
+    tmp = out_dir / f".masks_{step:07d}.tmp.npz"
+    np.savez_compressed(tmp, masks=np.packbits(masks_LTN, axis=-1),
+                        shape=np.array(masks_LTN.shape),
+                        token_ids=token_ids.reshape(-1).numpy(), step=np.array(step),
+                        no_expert_share=no_expert_share_of(masks_LTN))
+    os.replace(tmp, path)
+    return path
+
+
+@torch.no_grad()
+def record_masks(model, calib: torch.Tensor, device, run_dir: Path, step: int, is_main: bool
+                 ) -> None:
+    """One forward of the calibration set with ``record_masks=True`` (every rank that takes
+    part in it: a collective forward under expert parallelism or FSDP); rank 0 writes them."""
+    model.eval()
+    try:
+        out = model(input_ids=calib.to(device), record_masks=True)
+        if is_main:
+            write_masks(run_dir, step, out.aux.masks, calib)
+    finally:
+        model.train()
+
+
+# ----------------------------------------------------------------------------- progress
+# What a run shows while it trains: a tqdm bar on a terminal, otherwise a progress line every
+# ``train.log_every`` steps and at least every 30 s (step of the total, tokens/s since the
+# previous line, ETA).
+
+def stats_text(rec: dict[str, Any]) -> str:
+    # lambda only where a controller steers one (a TopK or dense run's is always 0)
+    lam = f"lambda {rec['lambda']:.2e}  " if rec.get("lambda") else ""
+    return f"lm {rec['lm_loss']:.3f}  S {rec['sparsity']:.3f}  {lam}lr {rec['lr']:.2e}"
+
+
+def open_progress(name: str, start_step: int, total: int, log_every: int, bar: bool,
+                  main: bool):
+    """The tqdm bar (``bar``: a terminal on the main rank), else None after announcing the lines."""
+    if bar:
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start_step, desc=name, dynamic_ncols=True)
+    if main and log_every:
+        print(f"training {name}: steps {start_step + 1}-{total}; a line every {log_every} steps "
+              f"or 30 s (tokens/s since the previous line, ETA)", flush=True)
+    return None
+
+
+class ProgressLines:
+    """The progress lines of a run without a terminal (e.g. ``remoe train > log 2>&1``)."""
+
+    def __init__(self, total: int, every: int) -> None:
+        self.total, self.every = total, every
+        self.start: tuple[float, int, int] | None = None  # (wall time, step, tokens) before it
+        self.last: tuple[float, int, int] | None = None
+
+    def update(self, rec: dict[str, Any]) -> None:
+        now, total = time.monotonic(), self.total
+        if self.start is None:
+            # the first step of a process carries one-time costs (allocation, lazy
+            # initialisation, the thread tuner's first probe): the ETA counts from its end, so
+            # it is not the first step's time multiplied by the steps left (that was ~8x high)
+            step_s = rec["step_tokens"] / max(rec["tokens_per_s"], 1e-9)
+            self.last = (now - step_s, rec["step"] - 1, rec["tokens"] - rec["step_tokens"])
+            self.start = (now, rec["step"], rec["tokens"])
+        every = self.every
+        if not every or not (rec["step"] % every == 0 or rec["step"] in (1, total)
+                             or now - self.last[0] >= 30.0):
+            return
+        t0, _, k0 = self.last
+        rate = (rec["tokens"] - k0) / max(now - t0, 1e-9)
+        print(f"step {rec['step']:>5}/{total} ({100 * rec['step'] / max(total, 1):3.0f}%)  "
+              f"{stats_text(rec)}  {rate:,.0f} tok/s  ETA {self.eta(now, rec['step'])}",
+              flush=True)
+        self.last = (now, rec["step"], rec["tokens"])
+
+    def eta(self, now: float, step: int) -> str:
+        """Time left at the mean step time since the end of this process's first step."""
+        ts, ss, _ = self.start
+        if step >= self.total:
+            return "0m00s"
+        if step <= ss:
+            return "after warm-up"
+        left = (now - ts) / (step - ss) * (self.total - step)
+        return f"{int(left // 60)}m{int(left % 60):02d}s"

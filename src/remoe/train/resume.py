@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from remoe import rundir
+from remoe.distributed import dcp
 from remoe.errors import ConfigError
 from remoe.train import checkpoint as ckpt_io
 
@@ -86,6 +87,17 @@ def load_full_checkpoint(ckpt: Path, state: dict[str, Any], model: torch.nn.Modu
         optimizer_state = ep.shard_optimizer_state(optimizer_state, optimizer)
     load_weights(model, weights, ckpt)
     optimizer.load_state_dict(optimizer_state)
+
+
+def load_checkpoint(ckpt: Path, state: dict[str, Any], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, ep, fsdp, device: torch.device) -> None:
+    """Weights and optimizer state of ``ckpt``: under FSDP sharded, every rank reading its
+    shards (any world size; :mod:`remoe.distributed.dcp`), else :func:`load_full_checkpoint`."""
+    dcp.check_checkpoint_kind(ckpt, fsdp is not None)
+    if fsdp is not None:
+        dcp.load_sharded(ckpt, model, optimizer, ep)
+    else:
+        load_full_checkpoint(ckpt, state, model, optimizer, ep, device)
 
 
 def restore_last_record(metrics, state: dict[str, Any], step: int) -> None:

@@ -2,22 +2,24 @@
 
 One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
 
-    LR schedule (schedule.py); lambda(s) and the revival input from the controller
+    LR schedule (optim.py); lambda(s) and the revival input from the controller
         (control.py: StepControl, the sequence ReMoETrainer runs too)
     for each micro-batch: out = model(x, labels=x, train_step=step[, revive=])
         loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.losses)
         (loss / grad_accum).backward(); control.add(out): losses and routing counts
     expert-parallel grads, clip (optim.py); control.reduce: the step's one all-reduce
-        (accumulate.py); stop on a non-finite loss, optimizer step (optim.py)
+        (control.py: StepSums); stop on a non-finite loss, optimizer step (optim.py)
     control.after_step: step_statistics(counts) -> S_i, per-layer S, active k, dead experts
         (remoe.method.losses); routers' after_step; the controller's update (same lambda on
         every rank)
-    metrics line (metrics.py), progress (progress.py), periodic validation, mask recording
-    (masks.py) and atomic checkpoint (checkpoint.py)
+    FLOPs, metrics line and progress (metrics.py); periodic validation, mask recording
+    (metrics.py) and atomic checkpoint (checkpoint.py)
 
 Batches are a pure function of (seed, step, micro-step, rank), and RNG states, optimizer,
 scheduler and controller are checkpointed, so ``resume`` continues bit-exactly on CPU.
-Distributed set-up is in distributed.py, RNG state in rng.py.
+The process, the data, the model and its layout over the ranks: runtime.py (with
+remoe.distributed); starting or resuming in the run directory: resume.py; checkpoints and RNG
+states: checkpoint.py.
 """
 
 from __future__ import annotations
@@ -32,29 +34,19 @@ import torch
 import torch.distributed as dist
 
 from remoe import rundir
-from remoe.errors import ConfigError
-from remoe.model import ReMoEForCausalLM
-from remoe.model.routers import Router
-from remoe.method.losses import penalty, total_loss
-from remoe.method.sparsity import build_controller
-from remoe.train import checkpoint as ckpt_io, compile as compiling
 from remoe.distributed import dcp
-from remoe.experiment import ExperimentConfig, padded_vocab
-from remoe.distributed.fsdp import shard_model
-from remoe.train.control import StepControl
-from remoe.train.flops import FlopCounter
-from remoe.train.interrupt import StopOnInterrupt, TrainingInterrupted
-from remoe.train.masks import calibration_set, record_masks
-from remoe.train.progress import ProgressLines, open_progress, stats_text
-from remoe.train.layout import setup_expert_parallel, wrap_data_parallel
-from remoe.train.resume import (load_full_checkpoint, logged_eval, restore_last_record,
-                                start_run_dir)
-from remoe.train.runtime import prepare_run_data, settle_threads, setup_runtime
-from remoe.train.metrics import MetricsWriter, open_tensorboard, run_summary
-from remoe.train.optim import build_optimizer, check_finite_losses, finish_and_clip, set_lr, update
-from remoe.train.rng import rng_state, set_rng_state, to_weights_only
-from remoe.train.schedule import cosine_lr, stop_reason
-
+from remoe.experiment import ExperimentConfig
+from remoe.method.losses import penalty, total_loss
+from remoe.train import checkpoint as ckpt_io
+from remoe.train.control import CapacityPlan, StepControl
+from remoe.train.metrics import (FlopCounter, MetricsWriter, ProgressLines, calibration_set,
+                                 open_progress, open_tensorboard, record_masks, run_summary,
+                                 stats_text)
+from remoe.train.optim import (build_optimizer, check_finite_losses, cosine_lr, finish_and_clip,
+                               set_lr, stop_reason, update)
+from remoe.train.resume import load_checkpoint, logged_eval, restore_last_record, start_run_dir
+from remoe.train.runtime import (StopOnInterrupt, TrainingInterrupted, lay_out, prepare_run_data,
+                                 settle_threads, setup_runtime, start_model, wrap_data_parallel)
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -82,41 +74,21 @@ class Trainer:
                                           grad_accum=tc.grad_accum,
                                           world_size=self.dist.world_size, seed=cfg.run.seed)
 
-        # model
-        torch.manual_seed(cfg.run.seed)
-        self.init = None  # train.init_from: where the weights came from (remoe.train.init_from)
-        self.lr_start = None  # train.init_lr resolved (None: the fresh schedule)
-        if tc.init_from is not None:
-            self.model = self._init_model(resume)
-            self.model_cfg = self.model.config
-        else:
-            vocab = padded_vocab(data.vocab_size)
-            self.model_cfg = cfg.model_config(vocab_size=vocab, eos_token_id=data.eos_id,
-                                              bos_token_id=data.eos_id, pad_token_id=data.eos_id)
-            if self.model_cfg.backbone.vocab_size < data.vocab_size:
-                raise ConfigError(f"model.vocab_size={self.model_cfg.backbone.vocab_size} must "
-                                  f"be >= the tokenizer's vocabulary ({data.vocab_size})")
-            self.model = ReMoEForCausalLM(self.model_cfg).to(self.device)
-        # train.expert_parallel: this rank's slice of the experts (None: off or one process)
-        self.ep = setup_expert_parallel(self.model, tc, self.model_cfg, self.dist)
-        compiling.set_dispatch_plan(self.model, tc.dispatch_plan)  # exact | static (ReLU)
-        if tc.compile:  # each decoder block compiled in place, before FSDP (remoe.train.compile)
-            compiling.compile_blocks(self.model)
-        # train.fsdp: FSDP2 over the blocks and the root (remoe.distributed.fsdp; None otherwise)
-        self.fsdp = (shard_model(self.model, self.device, self.ep, self.autocast_dtype is not None)
-                     if tc.fsdp else None)
+        # model: fresh, or from existing weights (train.init_from: self.init says where from,
+        # self.lr_start is train.init_lr resolved, None: the fresh schedule); then laid out over
+        # the processes: expert parallel, dispatch plan, compile, FSDP (None when off)
+        self.model, self.init, self.lr_start = start_model(cfg, data, self.sampler, self.device,
+                                                           self.dist, resume)
+        self.model_cfg = self.model.config
+        self.ep, self.fsdp = lay_out(self.model, tc, self.model_cfg, rt)
         self.flops = FlopCounter(self.model_cfg.spec, tc.seq_len)
-        # the token router of every MoE layer, in the order of the rows of the expert counts
-        routed = [b.ffn for b in self.model.layers if isinstance(getattr(b.ffn, "router", None),
-                                                                   Router)]
-        self.token_routers = [f.router for f in routed]
+        # the step's routing side: the controller and the token router of every MoE layer, in
+        # the order of the rows of the expert counts
+        self.control = StepControl.for_model(self.model)
+        self.controller, self.token_routers = self.control.controller, self.control.token_routers
         # train.dispatch_plan=capacity: each step's plan capacities (None: the layers' own plan)
-        self.capacity = (compiling.CapacityPlan(len(routed))
-                         if tc.dispatch_plan == "capacity" and routed else None)
-        # the paper's single lambda by default; per-layer / PI / revival on request
-        self.controller = build_controller(self.model_cfg, len(self.token_routers))
-        self.control = StepControl(self.controller, self.token_routers,
-                                   [getattr(f, "experts", None) for f in routed])
+        self.capacity = (CapacityPlan(len(self.token_routers))
+                         if tc.dispatch_plan == "capacity" and self.token_routers else None)
         if self.init is not None and self.controller is not None and self.init.lambdas:
             self.controller.start(self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
@@ -124,7 +96,6 @@ class Trainer:
         self.tokens = 0
         self.total_flops = 0.0
         self.elapsed = 0.0
-        self.best_val: float | None = None
         self.last_eval: dict[str, Any] | None = None
         self.lines: ProgressLines | None = None  # progress lines when there is no terminal
 
@@ -165,28 +136,6 @@ class Trainer:
             raise
 
     # -- construction helpers ---------------------------------------------------------------
-    def _init_model(self, resume: bool):
-        """``train.init_from``: the source's model with the config's overrides and its lambda
-        (remoe.train.init_from); on ``--resume``, the run's recorded model config (the
-        weights then come from the run's checkpoint)."""
-        from remoe.train import init_from, init_lambda
-
-        if resume:
-            model = init_from.from_record(self.run_dir)
-            if model is not None:
-                self.lr_start = init_from.recorded_lr(self.run_dir)
-                return model.to(self.device)
-        self.init = init_from.build(self.cfg)
-        init_from.start_lr(self.init, self.cfg.train)  # train.init_lr (ConfigError: no log)
-        self.lr_start = self.init.lr_start
-        init_from.check_vocabulary(self.init.source, self.data, self.init.model.config)
-        model = self.init.model.to(self.device)
-        if model.config.uses_adaptive_reg:
-            input_ids, _ = self.sampler.batch(0, 0, self.dist.rank)
-            init_lambda.choose_lambda(self.init, self.cfg.train.init_lambda,
-                                      input_ids.to(self.device), self.dist.enabled)
-        return model
-
     def _barrier(self) -> None:
         if self.dist.enabled:
             dist.barrier()
@@ -212,25 +161,19 @@ class Trainer:
             "optimizer": (self.optimizer.state_dict() if optimizer_state is None
                           else optimizer_state),
             "controller": self.controller.state_dict() if self.controller else None,
-            "rng": to_weights_only(rng_state()),
+            "rng": ckpt_io.to_weights_only(ckpt_io.rng_state()),
             "data": {"seed": self.cfg.run.seed, "next_step": self.step},
             # the metrics line of this step: a resume restores it if the file lost it
             "last_record": getattr(getattr(self, "metrics", None), "last", None),
         }
 
-    def _load(self, ckpt: Path, state: dict[str, Any] | None = None) -> None:
-        if state is None:
-            state = ckpt_io.load_trainer_state(ckpt)
-        dcp.check_checkpoint_kind(ckpt, self.fsdp is not None)
-        if self.fsdp is not None:  # sharded: every rank reads its shards (any world size)
-            dcp.load_sharded(ckpt, self.model, self.optimizer, self.ep)
-        else:
-            load_full_checkpoint(ckpt, state, self.model, self.optimizer, self.ep, self.device)
+    def _load(self, ckpt: Path, state: dict[str, Any]) -> None:
+        load_checkpoint(ckpt, state, self.model, self.optimizer, self.ep, self.fsdp, self.device)
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.total_flops, self.elapsed = float(state["flops"]), float(state["elapsed"])
-        set_rng_state(state["rng"])
+        ckpt_io.set_rng_state(state["rng"])
 
     def save(self) -> Path | None:
         if self.dist.enabled:  # every rank must hold the same lambda
@@ -271,14 +214,14 @@ class Trainer:
         else:  # train.init_lr: no warm-up, cosine from the start lr (remoe.train.init_from)
             lr = cosine_lr(step, self.lr_start, min(tc.min_lr, self.lr_start), 0, tc.max_steps)
         set_lr(self.optimizer, lr)
-        control = self.control  # the sparsity side of the step (control.py)
+        control = self.control  # the routing side of the step (control.py)
         coeff, layer_coeffs = control.coeffs()
         revive = control.revive_masks()
         threads = self.threads.before_step(step) if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         self.model.train()
-        plan = self.capacity  # train.dispatch_plan=capacity (remoe.train.compile.CapacityPlan)
-        rng = rng_state() if plan is not None else None  # a redone step draws the same numbers
+        plan = self.capacity  # train.dispatch_plan=capacity (control.CapacityPlan)
+        rng = ckpt_io.rng_state() if plan is not None else None  # a redo: the same draws
         caps, attempt = None, 0
         while True:
             tot, tokens_micro, caps = self._forward_backward(step, coeff, layer_coeffs, revive,
@@ -291,7 +234,7 @@ class Trainer:
             caps = plan.refit(tot.pairs_max_L, tokens_micro, attempt)
             self.optimizer.zero_grad(set_to_none=True)
             control.discard()
-            set_rng_state(rng)
+            ckpt_io.set_rng_state(rng)
         if plan is not None:
             plan.record(tot.pairs_max_L, tokens_micro)
         check_finite_losses(self.optimizer, step, tot.lm, tot.reg, tot.aux, self.ckpt_root)
@@ -409,8 +352,7 @@ class Trainer:
             self.record_masks()
         reason = self._should_stop()
         last_rec = None
-        # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint
-        # (remoe.train.interrupt)
+        # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint (runtime.py)
         ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
         try:
             with ctrl_c:

@@ -1,7 +1,7 @@
 """The domain of each calibration sequence of a run's routing masks.
 
 The mask files hold the calibration tokens (``token_ids``) but not their domains. The trainer
-takes them from the validation split (:func:`remoe.train.masks.calibration_set`), so each
+takes them from the validation split (:func:`remoe.train.metrics.calibration_set`), so each
 calibration row of ``seq_len`` tokens is found, by its content, among the labelled validation
 chunks of the run's data cache. A row found in no chunk (another cache, another tokenizer) or
 in chunks of two domains is an error: the labels are exact or absent.

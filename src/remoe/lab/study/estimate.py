@@ -1,6 +1,6 @@
 """Cost estimates of study runs for ``remoe study --dry-run``: FLOPs, then CPU time.
 
-FLOPs come from :class:`remoe.train.flops.FlopCounter` (the trainer's own count) with a model
+FLOPs come from :class:`remoe.train.metrics.FlopCounter` (the trainer's own count) with a model
 of how many experts a token uses:
 
 * TopK, SparseMixer, Hash: k*G per layer; TopK warm-up: ``warmup_k*G`` for ``warmup_steps``
@@ -103,7 +103,7 @@ def _step_flops(mc, counter, tokens: int, pairs_per_tok: float) -> float:
 def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
     """Training FLOPs of one step at the run's sparse cost (k*G experts; no stage I)."""
     from remoe.experiment import load_config as load_run_config
-    from remoe.train.flops import FlopCounter
+    from remoe.train.metrics import FlopCounter
 
     exp = load_run_config(config)
     mc = _model_cfg(exp)
@@ -114,7 +114,7 @@ def nominal_step_flops(config: dict[str, dict[str, Any]]) -> float:
 def estimate_flops(config: dict[str, dict[str, Any]]) -> RunCost:
     """Steps, tokens and FLOPs of a run from its config (its stop rule already applied)."""
     from remoe.experiment import load_config as load_run_config
-    from remoe.train.flops import FlopCounter
+    from remoe.train.metrics import FlopCounter
 
     exp = load_run_config(config)
     tc, ac = exp.train, exp.analysis
