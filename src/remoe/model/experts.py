@@ -16,6 +16,8 @@ Keep this module out of ``torch.compile``. See docs/PERFORMANCE.md for the measu
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -104,6 +106,8 @@ class SwiGLUExperts(nn.Module):
         self.w_in_ND2H = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_expert))
         self.w_out_NHD = nn.Parameter(torch.empty(num_experts, d_expert, d_model))
         self.init_std = init_std
+        #: the weights cast for one optimizer step, set by :func:`cast_once_per_step` (else None)
+        self.step_weights: tuple[Tensor, Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -125,10 +129,20 @@ class SwiGLUExperts(nn.Module):
         """
         x_TD = autocast_input(x_TD)
         backend = self.resolve_backend(x_TD)
-        w_in, w_out = self.w_in_ND2H, self.w_out_NHD
-        if x_TD.dtype != w_in.dtype:  # autocast does not cover grouped_mm / bmm on stacked weights
-            w_in, w_out = w_in.to(x_TD.dtype), w_out.to(x_TD.dtype)
+        w_in, w_out = self.weights_as(x_TD.dtype)
         return self._compute(backend, x_TD, gates_TN, w_in, w_out, plan)
+
+    def weights_as(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(w_in, w_out)`` in ``dtype``: the parameters themselves, the step's cast copies
+        (:func:`cast_once_per_step`), or a cast made now (autocast does not cover
+        ``grouped_mm`` / ``bmm`` on stacked weights)."""
+        w_in, w_out = self.w_in_ND2H, self.w_out_NHD
+        if w_in.dtype == dtype:
+            return w_in, w_out
+        held = self.step_weights
+        if held is not None and held[0].dtype == dtype:
+            return held
+        return w_in.to(dtype), w_out.to(dtype)
 
     def _compute(self, backend: str, x_TD: Tensor, gates_TN: Tensor, w_in: Tensor, w_out: Tensor,
                  plan: Dispatch) -> Tensor:
@@ -153,8 +167,8 @@ class SwiGLUExperts(nn.Module):
         if backend == "fused":  # jagged rows without a plan: grouped_mm computes them
             backend = "grouped_mm" if grouped_mm_supported(x_PD, self.d_expert) else "reference"
         fn = swiglu_grouped_mm if backend == "grouped_mm" else swiglu_reference
-        w_in, w_out = weights or (self.w_in_ND2H, self.w_out_NHD)
-        if x_PD.dtype != w_in.dtype:  # autocast does not cover grouped_mm
+        w_in, w_out = weights or self.weights_as(x_PD.dtype)
+        if x_PD.dtype != w_in.dtype:
             w_in, w_out = w_in.to(x_PD.dtype), w_out.to(x_PD.dtype)
         if self.recompute and torch.is_grad_enabled():
             # Keep only the inputs; the [P, 2H] activations are rebuilt in backward. This bounds
@@ -164,6 +178,27 @@ class SwiGLUExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, d_model={self.d_model}, d_expert={self.d_expert}"
+
+
+@contextmanager
+def cast_once_per_step(model: nn.Module, dtype: torch.dtype | None):
+    """Cast every :class:`SwiGLUExperts`' weights of ``model`` to ``dtype`` once, on entry,
+    for all the forwards and backwards inside (one optimizer step's micro-batches), instead of
+    once per micro-batch; the copies are dropped on exit. Gradients reach the fp32 parameters
+    through each copy's cast node in every backward, as with a cast per forward, so the step
+    is bit-equal; the copies hold ``2 bytes x`` the expert parameters for the step. Enter it
+    with gradients enabled, after the optimizer step before it. ``dtype=None`` (fp32) or
+    weights already in ``dtype``: nothing to do. Not for FSDP-sharded experts (FSDP's own
+    mixed-precision policy casts them when it gathers them)."""
+    held = [m for m in model.modules()
+            if isinstance(m, SwiGLUExperts) and dtype is not None and m.w_in_ND2H.dtype != dtype]
+    for m in held:
+        m.step_weights = (m.w_in_ND2H.to(dtype), m.w_out_NHD.to(dtype))
+    try:
+        yield
+    finally:
+        for m in held:
+            m.step_weights = None
 
 
 class SwiGLU(nn.Module):
