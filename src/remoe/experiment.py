@@ -93,7 +93,7 @@ class TrainConfig:
     adamw_impl: str = "auto"
     # tokens per chunk of the LM head + cross-entropy in training (0: the whole micro-batch at
     # once); chunked, each chunk's logits are recomputed in backward, so the fp32 logits of the
-    # micro-batch never exist at once (remoe.model.llama.chunked_lm_loss)
+    # micro-batch never exist at once (remoe.model.losses.chunked_lm_loss)
     loss_chunk_tokens: int = 0
     # copy each micro-batch to the GPU from pinned host memory, asynchronously (CUDA only)
     pin_memory: bool = False

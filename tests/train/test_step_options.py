@@ -8,7 +8,7 @@ import torch
 from remoe.errors import ConfigError
 from remoe.experiment import load_config
 from remoe.model import ReMoEConfig, ReMoEForCausalLM
-from remoe.model.llama import chunked_lm_loss
+from remoe.model.losses import chunked_lm_loss
 from remoe.train.optim import adamw_kwargs, build_optimizer
 
 

@@ -8,7 +8,7 @@ its routing, and the held-out loss.
 each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N)`` (paper
 eq. 7), per-layer sparsity, active experts per token (overall and per layer), effective experts
 and dead (never-firing) experts, with the formulas of one forward's ``MoEAux``
-(``remoe.model.llama.sparsity_of`` / ``layer_sparsity_of``) and of
+(``remoe.model.losses.sparsity_of`` / ``layer_sparsity_of``) and of
 :mod:`remoe.method.expertuse`.
 
 Validation / test loss overall and per domain:
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from remoe.method.expertuse import effective_experts_of
-from remoe.model.llama import layer_sparsity_of, sparsity_of
+from remoe.model.losses import layer_sparsity_of, sparsity_of
 
 
 def _ppl(loss: float) -> float:

@@ -297,9 +297,9 @@ def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
               chunk: int = 0, reps: int = 5, precision: str = "bf16") -> dict:
     """The LM head + loss alone at a step's shape (``tokens`` positions of width ``hidden``):
     forward and backward time (best of ``reps``) and, on CUDA, the peak memory above its inputs;
-    ``chunk`` > 0: :func:`remoe.model.llama.chunked_lm_loss`. What the rest of the step pays
+    ``chunk`` > 0: :func:`remoe.model.losses.chunked_lm_loss`. What the rest of the step pays
     for the logits, measured apart."""
-    from remoe.model.llama import chunked_lm_loss
+    from remoe.model.losses import chunked_lm_loss
 
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(1, tokens + 1, hidden, generator=g).to(device).requires_grad_(True)

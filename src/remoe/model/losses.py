@@ -1,0 +1,52 @@
+"""What a forward reduces to, apart from the model: the sparsity S of paper eq. 7 (overall and
+per MoE layer) and the causal LM loss computed over chunks of tokens.
+
+Legend: B batch, S positions, T tokens, D model width, V vocabulary, L MoE layers, N experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor
+
+
+# the one definition of the sparsity (also of a training step's, remoe.method.losses.step_statistics)
+def sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
+    """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
+    L, N = counts_LN.shape
+    if L == 0:
+        return counts_LN.new_zeros(())
+    return 1.0 - counts_LN.sum() / max(L * num_tokens * N, 1)
+
+
+def layer_sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
+    """[L]: 1 - active pairs / (T * N) of each MoE layer (every layer sees every token)."""
+    N = counts_LN.shape[1]
+    return 1.0 - counts_LN.sum(1) / max(num_tokens * N, 1)
+
+
+def _lm_loss_sum(h_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> Tensor:
+    return F.cross_entropy(F.linear(h_TD, weight_VD).float(), labels_T, ignore_index=-100,
+                           reduction="sum")
+
+
+def chunked_lm_loss(h_BSD: Tensor, weight_VD: Tensor, labels_BS: Tensor, chunk: int,
+                    num_items: Tensor | int | None = None) -> Tensor:
+    """The causal LM loss of the final hidden states ``h_BSD`` under the LM head ``weight_VD``,
+    ``chunk`` tokens at a time: each chunk's logits are made, reduced to their loss sum and
+    dropped, and made again in backward (activation checkpointing), so the ``[T, V]`` fp32
+    logits never exist at once. The mean over the labels that are not -100 (or the sum over
+    ``num_items``, as transformers' Trainer asks); equal to the unchunked loss up to the order
+    of the sum."""
+    D = h_BSD.shape[-1]
+    h_TD = h_BSD[:, :-1].reshape(-1, D)
+    y_T = labels_BS[:, 1:].reshape(-1)
+    total = h_TD.new_zeros((), dtype=torch.float32)
+    for i in range(0, h_TD.shape[0], chunk):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _lm_loss_sum, h_TD[i:i + chunk], weight_VD, y_T[i:i + chunk], use_reentrant=False)
+    if num_items is not None:
+        return total / num_items
+    return total / (y_T != -100).sum().clamp(min=1)
