@@ -17,7 +17,6 @@ task name stops the command before any work. Nothing is downloaded; see ``docs/E
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 from contextlib import ExitStack, contextmanager
@@ -28,6 +27,7 @@ from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.eval.offline import force_offline
 from remoe.eval.output import report_results
+from remoe.model.bundle import file_sha256
 
 log = logging.getLogger("remoe.eval")
 
@@ -101,10 +101,6 @@ def _default_name(path: Path, model_dir: Path, run_dir: Path | None) -> str:
             return f"{run_dir.name}@{int(model_dir.name[5:])}"
         return run_dir.name
     return path.resolve().name
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class _DataCache:
@@ -360,7 +356,7 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
 
     if bundle is None:
         return None, "no data: no config.yaml found with the checkpoint; pass --data-cache DIR"
-    if tok_path is not None and _sha256(Path(tok_path)) != bundle.manifest["tokenizer"]["sha256"]:
+    if tok_path is not None and file_sha256(tok_path) != bundle.manifest["tokenizer"]["sha256"]:
         return None, (f"the checkpoint's tokenizer.json differs from the data cache's "
                       f"({bundle.cache_dir}); its token ids would not match")
     b = model.spec.backbone

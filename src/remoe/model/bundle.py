@@ -26,6 +26,7 @@ a model loaded with ``trust_remote_code`` saves a complete directory too.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
@@ -235,21 +236,24 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_checksums(directory: str | os.PathLike) -> None:
     """``checksums.json``: size and sha256 of every other file under ``directory`` (the format
     :func:`remoe.rundir.verify_manifest` checks)."""
-    import hashlib
-
     d = Path(directory)
     files = {}
     for p in sorted(d.rglob("*")):
         if p.is_file() and p.name != CHECKSUMS_FILE:
-            h = hashlib.sha256()
-            with open(p, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
             files[p.relative_to(d).as_posix()] = {"size": p.stat().st_size,
-                                                  "sha256": h.hexdigest()}
+                                                  "sha256": file_sha256(p)}
     (d / CHECKSUMS_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 

@@ -25,7 +25,6 @@ keeps the checksummed checkpoints and the verified resume, and re-exports the ot
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from remoe.model.bundle import file_sha256, write_checksums
 from remoe.rundir.files import (DiskFullError, JsonlAppender, atomic_write_text, dumps_json,
                                 finite_or_none, fsync_dir, fsync_tree, is_disk_full, read_jsonl,
                                 say, temp_path, warn, writing)
@@ -58,19 +58,9 @@ CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 MANIFEST_KEY = "has_manifest"  # in every trainer state written with a manifest beside it
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(ckpt_dir: Path) -> None:
     """``checksums.json``: size and sha256 of every file; written last, before the rename (the
     writer lives with the saved model's code: a re-saved model directory regenerates it)."""
-    from remoe.model.bundle import write_checksums
-
     write_checksums(ckpt_dir)
 
 
@@ -97,7 +87,7 @@ def verify_manifest(ckpt_dir: Path, required: tuple[str, ...] = (WEIGHTS_FILE, S
         size = p.stat().st_size
         if size != int(e["size"]):
             return f"size mismatch of {name} ({size} bytes, expected {e['size']})"
-        if _sha256(p) != e["sha256"]:
+        if file_sha256(p) != e["sha256"]:
             return f"checksum mismatch of {name}"
     return None
 

@@ -19,7 +19,6 @@ about 3x) beside a ``pack.json`` that names the archive's size and sha256:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -27,6 +26,7 @@ import tarfile
 from pathlib import Path
 
 from remoe.errors import ConfigError
+from remoe.model.bundle import file_sha256
 
 #: the data section the CPU studies train on (configs/study/backbone.yaml): built-in corpus,
 #: BPE 8192, 12 MB per domain, 3% validation / 3% test
@@ -38,14 +38,6 @@ ARCHIVE, PACK_JSON = "store.tar.xz", "pack.json"
 STORE_DIR = "store-v2"
 MAX_PACK_BYTES = 60_000_000  # issue 47's bound for the carried data
 TREE_LIMIT = 64 * 2**20  # what a device command carries: working tree + carried paths
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def build_cache(cache_dir: Path, workers: int = 1, progress: bool = True):
@@ -75,7 +67,7 @@ def pack_store(cache_dir: Path, pack_dir: Path, preset: int = 6) -> dict:
                 tar.addfile(info, f)
     os.replace(tmp, pack_dir / ARCHIVE)
     meta = {"schema": "remoe-gpu-study-data/1", "archive": ARCHIVE,
-            "bytes": (pack_dir / ARCHIVE).stat().st_size, "sha256": sha256(pack_dir / ARCHIVE),
+            "bytes": (pack_dir / ARCHIVE).stat().st_size, "sha256": file_sha256(pack_dir / ARCHIVE),
             "store_bytes": sum(p.stat().st_size for p in files), "data": STUDY_DATA,
             "store": bundle.manifest["dir"], "vocab_size": bundle.vocab_size,
             "domains": list(bundle.domains),
@@ -127,7 +119,7 @@ def open_data(path: Path, scratch: Path):
                           "cache) there; build it with `scripts/gpu_study.sh --build-data`")
     meta = json.loads(meta_path.read_text())
     archive = path / meta["archive"]
-    if not archive.is_file() or sha256(archive) != meta["sha256"]:
+    if not archive.is_file() or file_sha256(archive) != meta["sha256"]:
         raise ConfigError(f"--data {path}: {meta['archive']} is missing or does not match "
                           f"{PACK_JSON}'s sha256; rebuild it with `scripts/gpu_study.sh "
                           "--build-data`")
