@@ -189,36 +189,13 @@ def _print_numbers(r: dict) -> None:
         lines.append(f"not settled: |S - target| <= {st['tol']:g} does not hold over the last "
                      f"{st['window']} or more steps{noise}; for a noisy small-batch run try "
                      "--smooth 10 or a wider --settle-tol")
-    if sp:
-        lines.append(f"sparsity after step {sp['skip_steps']}: {_f(sp['mean'])} ± {_f(sp['std'])}"
-                     f" (target {_f(sp['target'])})")
-    fl = r.get("flips")
-    if fl:
-        lines.append(f"flip rate mean {_f(fl['mean_flip_rate'])} (flip count "
-                     f"{_f(fl['mean_flip_count'], '.3f')}, N={fl['num_experts']})")
-    hm = r.get("heatmap")
-    if hm:
-        lines.append(f"mean active experts {_f(hm['mean_active_experts'], '.3f')} (target "
-                     f"k*G={hm['target_active']}), "
-                     f"{hm['num_inactive']} inactive experts "
-                     f"({hm.get('inactive_rule_text', '< 1/64 of tokens')})")
-    lines += _expert_use_lines(r.get("experts"))
-    sc = r.get("specialization")
-    if sc:
-        lines.append(f"specialisation index {_f(sc['index'])}, domain-expert MI "
-                     f"{_f(sc['mi_bits'])} bits over {sc['num_domains']} domains")
-    al = r.get("allocation")
-    if al:
-        lines.append(f"Spearman(token frequency, active experts) = "
-                     f"{_f(al['spearman_freq_active'], '.3f')}")
+    lines += [headline(r[key]) for key, headline in _HEADLINES if r.get(key)]
     for line in lines:
         print("  " + line)
 
 
-def _expert_use_lines(ex: dict | None) -> list[str]:
-    """Expert use per layer (``remoe analyze experts``)."""
-    if not ex:
-        return []
+def _expert_use_text(ex: dict) -> str:
+    """Expert use per layer (``remoe analyze experts``), one line each."""
     train, calib = ex.get("train"), ex.get("calib")
     head = "expert use per layer:"
     if train:
@@ -239,4 +216,21 @@ def _expert_use_lines(ex: dict | None) -> list[str]:
             parts.append(f"no expert {'n/a' if share is None else format(100 * share, '.1f')}%, "
                          f"{row['inactive']} inactive of {calib['num_experts']}")
         lines.append("  " + " ".join(parts))
-    return lines
+    return "\n  ".join(lines)
+
+
+#: after the stages, the headline of each analysis present in a result, in this order
+_HEADLINES = (
+    ("sparsity", lambda sp: f"sparsity after step {sp['skip_steps']}: {_f(sp['mean'])} ± "
+                            f"{_f(sp['std'])} (target {_f(sp['target'])})"),
+    ("flips", lambda fl: f"flip rate mean {_f(fl['mean_flip_rate'])} (flip count "
+                         f"{_f(fl['mean_flip_count'], '.3f')}, N={fl['num_experts']})"),
+    ("heatmap", lambda hm: f"mean active experts {_f(hm['mean_active_experts'], '.3f')} (target "
+                           f"k*G={hm['target_active']}), {hm['num_inactive']} inactive experts "
+                           f"({hm.get('inactive_rule_text', '< 1/64 of tokens')})"),
+    ("experts", _expert_use_text),
+    ("specialization", lambda sc: f"specialisation index {_f(sc['index'])}, domain-expert MI "
+                                  f"{_f(sc['mi_bits'])} bits over {sc['num_domains']} domains"),
+    ("allocation", lambda al: "Spearman(token frequency, active experts) = "
+                              f"{_f(al['spearman_freq_active'], '.3f')}"),
+)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from remoe.lab.analysis.inactive import inactive_threshold
-from remoe.lab.analysis.runlog import Run, load_masks
+from remoe.lab.analysis.runlog import Run
 from remoe.method.expertuse import no_expert_share_of
 from remoe.method.losses import step_statistics
 
@@ -69,15 +69,9 @@ def run_expert_use(run: Run, rule: str = "fair") -> dict[str, Any] | None:
         return None
     train = training_use(run.metrics.records)
     calib = None
-    files = run.mask_files()
-    if files:
-        step, source = files[-1]
-        try:
-            masks_LTN, _, _ = load_masks(source)
-        except (OSError, ValueError, KeyError):
-            masks_LTN = None
-        if masks_LTN is not None and masks_LTN.shape[1] > 0:
-            calib = {**calibration_use(masks_LTN, 1.0 - target, rule), "step": int(step)}
+    last = run.last_masks()
+    if last is not None:
+        calib = {**calibration_use(last[1], 1.0 - target, rule), "step": int(last[0])}
     if train is None and calib is None:
         return None
     return {"train": train, "calib": calib, "rule": rule}

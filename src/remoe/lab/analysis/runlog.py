@@ -274,6 +274,19 @@ class Run:
                                                               info.file_size)))
         return sorted(out, key=lambda sm: sm[0])
 
+    def last_masks(self) -> tuple[int, np.ndarray] | None:
+        """``(step, masks bool [L, T, N])`` of the last recorded routing mask; None without one,
+        or when it cannot be read or holds no token."""
+        files = self.mask_files()
+        if not files:
+            return None
+        step, source = files[-1]
+        try:
+            masks_LTN = load_masks(source)[0]
+        except (OSError, ValueError, KeyError):
+            return None
+        return (step, masks_LTN) if masks_LTN.shape[1] > 0 else None
+
 
 @dataclass(frozen=True)
 class MaskFile:

@@ -67,19 +67,11 @@ def _finite(v: Any) -> bool:
 def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None, str | None]:
     """(share of the tokens routed to each expert [L, N], source) per the module docstring;
     (None, None) for dense runs or without routing records."""
-    from remoe.lab.analysis.runlog import load_masks
-
     if target_sparsity is None:
         return None, None
-    files = run.mask_files()
-    if files:
-        step, path = files[-1]
-        try:
-            masks_LTN, _, _ = load_masks(path)
-        except (OSError, ValueError, KeyError):
-            masks_LTN = None
-        if masks_LTN is not None and masks_LTN.shape[1] > 0:
-            return masks_LTN.mean(axis=1), f"masks@{step}"
+    last = run.last_masks()
+    if last is not None:
+        return last[1].mean(axis=1), f"masks@{last[0]}"
     recs = [r for r in run.metrics.records if isinstance(r.get("expert_counts"), list)]
     if not recs:
         return None, None
