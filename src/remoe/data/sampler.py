@@ -64,10 +64,6 @@ class TrainBatches:
     def tokens_per_step(self) -> int:
         return self.samples_per_step * self.seq_len
 
-    @property
-    def steps_per_epoch(self) -> float:
-        return self.num_chunks / self.samples_per_step
-
     def permutation(self, epoch: int) -> np.ndarray:
         """The chunk order of ``epoch`` (a pure function of ``(seed, epoch)``)."""
         perm = self._perms.get(epoch)
@@ -112,15 +108,6 @@ class TrainBatches:
     def epoch(self, step: int) -> float:
         """Fractional epoch reached at the start of ``step``."""
         return step * self.samples_per_step / self.num_chunks
-
-    def iter_steps(self, start_step: int = 0, rank: int = 0,
-                   num_steps: int | None = None) -> Iterator[tuple[int, int, Batch]]:
-        """``(step, micro_step, batch)`` for rank ``rank`` from ``start_step`` on."""
-        step = start_step
-        while num_steps is None or step < start_step + num_steps:
-            for m in range(self.grad_accum):
-                yield step, m, self.batch(step, m, rank)
-            step += 1
 
 
 def eval_chunk_indices(table: ChunkTable, num_domains: int,

@@ -272,11 +272,6 @@ def section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     return {f.name: (name, f) for name, cls in SECTIONS.items() for f in _flat_fields(cls)}
 
 
-@dataclass(frozen=True)
-class _NoOptions:  # the options of a router that declares none
-    pass
-
-
 def user_options_class(router: Any, router_module: Any = None) -> type | None:
     """The options dataclass ``router`` declares, a built-in's or a user router's (imported
     from ``router_module`` if needed); None for a router that declares none and for a name
