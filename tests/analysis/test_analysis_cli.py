@@ -280,3 +280,22 @@ def test_stages_reports_the_last_excursion(tmp_path, synth, capsys):
     assert cli("analyze", ["stages", str(run)]) == 0  # the defaults, as the trainer
     st = json.loads((run / "analysis" / "stages.json").read_text())
     assert logged_stages(run, synth.TARGET).settle_step == st["settle_step"] > 90
+
+
+def test_expert_use_at_a_recorded_step(remoe_run, tmp_path):
+    """``--mask-step``: expert use as the run was at that step (runs cut at different steps
+    compare there): the training window ends at it, the masks are that step's."""
+    steps = [s for s, _ in Run(remoe_run).mask_files()]
+    assert len(steps) >= 2
+    at = steps[len(steps) // 2]
+    out = tmp_path / "at"
+    assert cli("analyze", ["experts", str(remoe_run), "--mask-step", str(at),
+                           "--out", str(out)]) == 0
+    ex = json.loads((out / "expert_use.json").read_text())
+    assert ex["calib"]["step"] == at
+    first, last = ex["train"]["steps"]
+    logged = [r["step"] for r in Run(remoe_run).metrics.records if r.get("expert_counts")]
+    assert last == max(s for s in logged if s <= at) and first <= last
+    whole = tmp_path / "whole"
+    assert cli("analyze", ["experts", str(remoe_run), "--out", str(whole)]) == 0
+    assert json.loads((whole / "expert_use.json").read_text())["calib"]["step"] == steps[-1]

@@ -141,7 +141,8 @@ def options_from_args(args, what: tuple[str, ...], compare: list[str]) -> Option
                    settle_window=args.settle_window, stage_eps=args.stage_eps,
                    smooth=max(1, args.smooth), skip_steps=args.skip_steps,
                    recompute=args.recompute, compare=compare,
-                   inactive_rule=args.inactive_rule)
+                   inactive_rule=args.inactive_rule,
+                   mask_step=getattr(args, "mask_step", None))
 
 
 def run(args) -> int:

@@ -40,6 +40,7 @@ class Options:
     skip_steps: int = 100  # Fig. 3: mean/std exclude the first steps
     recompute: bool = False  # ignore a cached routing_stats.npz
     inactive_rule: str = "fair"  # remoe.lab.analysis.inactive: fair (default) or paper (1/64)
+    mask_step: int | None = None  # experts (and domains): the recorded step (None: the last)
     compare: list[str] = field(default_factory=list)
 
 

@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
                    help="permutations of the sequences' domains for the null (default 1000)")
     g.add_argument("--shuffle-seed", type=int, default=0, help="seed of the permutations")
     g.add_argument("--mask-step", type=int, default=None,
-                   help="the recorded step to analyse (default: the last)")
+                   help="the recorded step to analyse (default: the last); `experts` then "
+                        "reads the training steps up to it and that step's masks")
     g.add_argument("--train-steps", type=int, default=600,
                    help="last logged steps regressed on their batches' domains (default 600; "
                         "0: the calibration masks only)")

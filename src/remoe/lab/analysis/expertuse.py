@@ -61,15 +61,21 @@ def calibration_use(masks_LTN: np.ndarray, fair_ratio: float, rule: str = "fair"
             "num_tokens": int(masks_LTN.shape[1]), "num_experts": int(masks_LTN.shape[2])}
 
 
-def run_expert_use(run: Run, rule: str = "fair") -> dict[str, Any] | None:
+def run_expert_use(run: Run, rule: str = "fair", step: int | None = None
+                   ) -> dict[str, Any] | None:
     """``{"train": training_use | None, "calib": calibration_use + "step" | None, "rule"}``;
-    None for a run without routed experts or without either source."""
+    None for a run without routed experts or without either source. ``step``: the run as it
+    was at that recorded step (the training window ends there, the masks are that step's;
+    runs cut at different steps compare there), else at its end."""
     target = run.target_sparsity
     if target is None or not 1.0 - target > 0:
         return None
-    train = training_use(run.metrics.records)
+    records = run.metrics.records
+    if step is not None:
+        records = [r for r in records if int(r.get("step", -1)) <= step]
+    train = training_use(records)
     calib = None
-    last = run.last_masks()
+    last = run.last_masks(step)
     if last is not None:
         calib = {**calibration_use(last[1], 1.0 - target, rule), "step": int(last[0])}
     if train is None and calib is None:

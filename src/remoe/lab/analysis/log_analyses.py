@@ -154,7 +154,7 @@ def _unique(name: str, taken) -> str:
 def analyze_expert_use(run: Run, out: Path, opts: Options) -> dict[str, Any]:
     """Per layer: experts per token, effective and never-firing experts (last 10% of the
     training steps), no-expert share and inactive experts (last calibration masks)."""
-    use = run_expert_use(run, opts.inactive_rule)
+    use = run_expert_use(run, opts.inactive_rule, step=opts.mask_step)
     if use is None:
         raise Skip(f"no expert counts or routing masks (router={run.router}: not an MoE run?)")
     rows = layer_rows(use)

@@ -274,10 +274,11 @@ class Run:
                                                               info.file_size)))
         return sorted(out, key=lambda sm: sm[0])
 
-    def last_masks(self) -> tuple[int, np.ndarray] | None:
-        """``(step, masks bool [L, T, N])`` of the last recorded routing mask; None without one,
-        or when it cannot be read or holds no token."""
-        files = self.mask_files()
+    def last_masks(self, upto: int | None = None) -> tuple[int, np.ndarray] | None:
+        """``(step, masks bool [L, T, N])`` of the last recorded routing mask (at or before
+        step ``upto`` when given); None without one, or when it cannot be read or holds no
+        token."""
+        files = [f for f in self.mask_files() if upto is None or f[0] <= upto]
         if not files:
             return None
         step, source = files[-1]
