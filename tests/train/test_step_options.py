@@ -89,3 +89,41 @@ def test_step_option_checks():
             load_config(None, [bad])
     tc = load_config(None, []).train
     assert tc.loss_chunk_tokens == 0 and tc.pin_memory is False
+
+
+def _trained(tmp_path, name, extra, steps=3):
+    from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
+    from remoe.train.trainer import Trainer
+
+    cfg = step_config("relu", "micro", 32, 2, 3, tmp_path / name,
+                      ["train.num_threads=1", "train.lr=3e-3", *extra])
+    t = Trainer(cfg, progress=False, data=SyntheticData())
+    try:
+        recs = [t.train_step() for _ in range(steps)]
+        return recs, [p.detach().clone() for p in t.model.parameters()]
+    finally:
+        close_trainer(t)
+
+
+@pytest.mark.parametrize("option,extra", [
+    ("train.prefetch=true", ()),
+    ("train.cast_experts_once=true", ("train.precision=bf16",)),
+])
+def test_step_options_leave_the_step_unchanged(tmp_path, option, extra):
+    """``train.prefetch`` reads the same batches (in another order of reads), and
+    ``train.cast_experts_once`` under bf16 gives the same losses and weights bit for bit."""
+    base_recs, base_w = _trained(tmp_path, "base", list(extra))
+    recs, w = _trained(tmp_path, "opt", [option, *extra])
+    keys = ("loss", "lm_loss", "reg_loss", "sparsity", "expert_counts", "grad_norm", "lambda")
+    assert [[r[k] for k in keys] for r in recs] == [[r[k] for k in keys] for r in base_recs]
+    assert all(torch.equal(a, b) for a, b in zip(base_w, w))
+
+
+def test_step_option_checks():
+    cfg = load_config(None, [])
+    assert not cfg.train.prefetch and not cfg.train.cast_experts_once  # the default step
+    for name in ("prefetch", "cast_experts_once"):
+        with pytest.raises(ConfigError, match=f"train.{name}"):
+            load_config(None, [f"train.{name}=3"])
+    with pytest.raises(ConfigError, match="train.cast_experts_once"):
+        load_config(None, ["train.cast_experts_once=true", "train.fsdp=true"])

@@ -37,6 +37,7 @@ from remoe import rundir
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig
 from remoe.method.losses import penalty, total_loss
+from remoe.model.experts import cast_once_per_step
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.control import CapacityPlan, StepControl
 from remoe.train.metrics import (FlopCounter, MetricsWriter, ProgressLines, calibration_set,
@@ -45,8 +46,9 @@ from remoe.train.metrics import (FlopCounter, MetricsWriter, ProgressLines, cali
 from remoe.train.optim import (build_optimizer, check_finite_losses, cosine_lr, finish_and_clip,
                                set_lr, stop_reason, update)
 from remoe.train.resume import load_checkpoint, logged_eval, restore_last_record, start_run_dir
-from remoe.train.runtime import (StopOnInterrupt, TrainingInterrupted, lay_out, prepare_run_data,
-                                 settle_threads, setup_runtime, start_model, wrap_data_parallel)
+from remoe.train.runtime import (StopOnInterrupt, TrainingInterrupted, device_batches, lay_out,
+                                 prepare_run_data, settle_threads, setup_runtime, start_model,
+                                 wrap_data_parallel)
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -89,6 +91,9 @@ class Trainer:
         # train.dispatch_plan=capacity: each step's plan capacities (None: the layers' own plan)
         self.capacity = (CapacityPlan(len(self.token_routers))
                          if tc.dispatch_plan == "capacity" and self.token_routers else None)
+        # train.prefetch on CUDA: the batches' copies run on their own stream (device_batches)
+        self.copy_stream = (torch.cuda.Stream(self.device)
+                            if tc.prefetch and self.device.type == "cuda" else None)
         if self.init is not None and self.controller is not None and self.init.lambdas:
             self.controller.start(self.init.lambdas)  # a resume loads its own
         self.optimizer = self._build_optimizer()
@@ -276,30 +281,41 @@ class Trainer:
         all-reduce and copy to the host: ``(StepTotals, tokens per micro-batch, capacities)``.
         ``caps``: each MoE layer's plan capacity (capacity plan; None: the plan's own choice)."""
         tc = self.cfg.train
-        model, control = self.wrapped, self.control
         tokens_micro = 0
-        for micro in range(tc.grad_accum):
-            input_ids, _ = self.sampler.batch(step, micro, self.dist.rank)
-            if tc.pin_memory and self.device.type == "cuda":
-                input_ids = input_ids.pin_memory()  # then the copy below does not block
-            input_ids = input_ids.to(self.device, non_blocking=True)
-            tokens_micro = input_ids.numel()
-            if self.capacity is not None and caps is None:
-                caps = self.capacity.capacities(tokens_micro)
-            sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
-            extra = {"capacity": caps} if caps is not None else {}
-            if tc.loss_chunk_tokens:
-                extra["loss_chunk_tokens"] = tc.loss_chunk_tokens
-            with (nullcontext() if sync else model.no_sync()), self._autocast():
-                out = model(input_ids=input_ids, labels=input_ids, train_step=step,
-                            revive=revive, **extra)
-                loss = total_loss(out, coeff, layer_coeffs)
-            (loss / tc.grad_accum).backward()
-            control.add(out, input_ids.numel())
+        # train.cast_experts_once: the expert weights cast to the autocast dtype once for all
+        # micro-batches (remoe.model.experts.cast_once_per_step; fp32: nothing to cast)
+        cast = self.autocast_dtype if tc.cast_experts_once else None
+        with cast_once_per_step(self.model, cast):
+            batches = device_batches(self.sampler, step, self.dist.rank, tc, self.device,
+                                     self.copy_stream)
+            for micro, input_ids in enumerate(batches):
+                tokens_micro, caps = self._micro_step(step, micro, input_ids, coeff,
+                                                      layer_coeffs, revive, caps)
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
         # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        return control.reduce(self.device, self.dist.enabled, grad_norm=norm), tokens_micro, caps
+        return (self.control.reduce(self.device, self.dist.enabled, grad_norm=norm),
+                tokens_micro, caps)
+
+    def _micro_step(self, step: int, micro: int, input_ids, coeff: float, layer_coeffs, revive,
+                    caps):
+        """One micro-batch's forward and backward; ``(tokens, capacities)``."""
+        tc = self.cfg.train
+        model = self.wrapped
+        tokens_micro = input_ids.numel()
+        if self.capacity is not None and caps is None:
+            caps = self.capacity.capacities(tokens_micro)
+        sync = (micro == tc.grad_accum - 1) or not hasattr(model, "no_sync")
+        extra = {"capacity": caps} if caps is not None else {}
+        if tc.loss_chunk_tokens:
+            extra["loss_chunk_tokens"] = tc.loss_chunk_tokens
+        with (nullcontext() if sync else model.no_sync()), self._autocast():
+            out = model(input_ids=input_ids, labels=input_ids, train_step=step, revive=revive,
+                        **extra)
+            loss = total_loss(out, coeff, layer_coeffs)
+        (loss / tc.grad_accum).backward()
+        self.control.add(out, tokens_micro)
+        return tokens_micro, caps
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
