@@ -97,6 +97,12 @@ class TrainConfig:
     loss_chunk_tokens: int = 0
     # copy each micro-batch to the GPU from pinned host memory, asynchronously (CUDA only)
     pin_memory: bool = False
+    # read the next micro-batch and issue its copy before computing this one (CUDA: on a side
+    # stream); the same batches
+    prefetch: bool = False
+    # under bf16 autocast, cast the stacked expert weights once per optimizer step instead of
+    # once per micro-batch (remoe.model.experts.cast_once_per_step; not with train.fsdp)
+    cast_experts_once: bool = False
     eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_chunks_per_domain: int = 8
     eval_batch_size: int = 8
@@ -185,8 +191,12 @@ class TrainConfig:
                                                                          bool)
               and self.loss_chunk_tokens >= 0,
               f"train.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0")
-        check(isinstance(self.pin_memory, bool),
-              f"train.pin_memory={self.pin_memory!r} must be true or false")
+        for name in ("pin_memory", "prefetch", "cast_experts_once"):
+            check(isinstance(getattr(self, name), bool),
+                  f"train.{name}={getattr(self, name)!r} must be true or false")
+        check(not (self.cast_experts_once and self.fsdp),
+              "train.cast_experts_once=true does not apply with train.fsdp=true (FSDP's "
+              "mixed-precision policy casts the experts when it gathers them)")
         check(self.keep_optimizer in ("all", "newest"),
               f"train.keep_optimizer={self.keep_optimizer!r} must be all or newest")
         check(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
