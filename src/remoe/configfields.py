@@ -12,12 +12,7 @@ from typing import Any
 import yaml
 
 from remoe import safeyaml
-from remoe.errors import ConfigError
-
-
-def check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from remoe.errors import check
 
 
 def check_finite(obj: Any, section: str) -> None:

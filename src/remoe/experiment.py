@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from remoe import safeyaml
-from remoe.configfields import build_section, check, check_finite, coerce, parse_override, short
+from remoe.configfields import build_section, check_finite, coerce, parse_override, short
 from remoe.data.config import DataConfig
-from remoe.errors import ConfigError
+from remoe.errors import ConfigError, check
 from remoe.model import registry
 from remoe.model.spec import PRESETS, TOKEN_IDS, ModelSpec, RoutingConfig, field_types
 

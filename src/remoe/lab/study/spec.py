@@ -36,11 +36,11 @@ from typing import Any
 
 import yaml
 
-from remoe.errors import ConfigError
+from remoe.errors import ConfigError, check
 from remoe.lab.study.runconfig import validate_runs
 from remoe.lab.study.runspec import RunSpec, fmt_value
-from remoe.lab.study.specfields import (SECTIONS, check, clean_name, dotted, merge, sections,
-                                    seed_list, stop_rule)
+from remoe.lab.study.specfields import (SECTIONS, clean_name, dotted, merge, sections, seed_list,
+                                        stop_rule)
 
 SPEC_KEYS = ("name", "budget", "base_config", "base", "groups", "seeds", "out", "report", "eval",
              "results")

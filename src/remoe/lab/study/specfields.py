@@ -8,18 +8,12 @@ import math
 import re
 from typing import Any
 
-from remoe.errors import ConfigError
+from remoe.errors import check
+from remoe.experiment import SECTIONS
 
 STOP_KEYS = ("steps", "tokens", "flops")
-SECTIONS = ("run", "model", "data", "train", "analysis")
 OWNED = ("run.name", "run.out_dir", "run.seed")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
-
-
-def check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
 
 
 def clean_name(text: str, where: str) -> str:
