@@ -191,7 +191,7 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     tokens = sum(r["step_tokens"] for r in recs)
     by = sc.by_phase()
     pairs = (sum(r["active_k"] for r in recs) / len(recs)) if layers else None
-    row = {"router": router, "preset": preset, "device": _device_name(device),
+    row = {"router": router, "preset": preset, "device": device_info(device)["name"],
            "precision": precision, "backend": "grouped_mm", "compiled": compile_backend,
            "plan": plan, "capture_dynamic": capture_dynamic, "adamw": adamw,
            "loss_chunk": loss_chunk, "warmup_s": warmup_s, "seq_len": seq_len,
@@ -363,10 +363,12 @@ def _expert_dtypes(t, layers) -> list[str]:
     return sorted(mode.seen)
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
+def device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"name": "cpu", "capability": None, "memory_gib": None, "multiprocessors": None}
+    p = torch.cuda.get_device_properties(device)
+    return {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib":
+            round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count}
 
 
 def fsdp_ep_row(steps: int = 4) -> dict:
@@ -386,7 +388,7 @@ def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
               peak_tflops: float | None = None, routers=ROUTERS, check_preset: str = "micro",
               vocab: int = GPT2_VOCAB, matmul_n: int = 8192, log=print) -> dict:
     """Every part of the suite on ``device`` (CUDA in production; CPU in the tests)."""
-    name = _device_name(device)
+    name = device_info(device)["name"]
     peak = peak_tflops or (peak_bf16_tflops(name) if device.type == "cuda" else None)
     res = {"device": name, "peak_bf16_tflops": peak,
            "peak_source": ("--peak-tflops" if peak_tflops else "data sheet" if peak else None)}

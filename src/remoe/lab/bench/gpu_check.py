@@ -73,14 +73,6 @@ def versions() -> dict:
     return out
 
 
-def device_info(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"name": "cpu", "capability": None, "memory_gib": None, "multiprocessors": None}
-    p = torch.cuda.get_device_properties(device)
-    return {"name": p.name, "capability": f"{p.major}.{p.minor}",
-            "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count}
-
-
 class Recorder:
     """The cumulative result: every :meth:`save` rewrites ``gpu_check.json`` atomically."""
 
@@ -114,7 +106,7 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
 
     t0 = time.perf_counter()
     rec = Recorder(out_dir, log)
-    info = device_info(device)
+    info = gpu.device_info(device)
     peak = gpu.peak_bf16_tflops(info["name"]) if device.type == "cuda" else None
     env = {"versions": versions(), "device": info, "peak_bf16_tflops": peak,
            "peak_source": "data sheet" if peak else None}

@@ -95,10 +95,9 @@ def eval_steps(n_steps: int, probe_steps: int, evals: int) -> list[int]:
 def base_sets(s: Settings, data_dir: str, vocab: int, work_dir: Path) -> list[str]:
     """The experiment overrides every run shares (their order: base < run < ``--set``)."""
     threads = []
-    if s.device == "cpu":
-        import torch  # here only: --build-data and --results-only run without torch
-
-        threads = [f"train.num_threads={torch.get_num_threads()}"]
+    if s.device == "cpu":  # torch here only: --build-data and --results-only run without it
+        from torch import get_num_threads
+        threads = [f"train.num_threads={get_num_threads()}"]
     return [f"model.preset={s.preset}", "model.num_experts=8", "model.top_k=1",
             f"data.cache_dir={data_dir}", f"data.vocab_size={vocab}",
             f"train.device={s.device}", f"train.precision={s.precision}",

@@ -169,7 +169,7 @@ class Study:
                 e0 = time.perf_counter()
                 with self._autocast(t):
                     if sized_now:  # an unrecorded first pass compiles the evaluation graphs
-                        self._sample_loss(t)
+                        self._validation(t, s.eval_chunks)
                     e1 = time.perf_counter()
                     ev = t.evaluate()
                 eval_s.append(time.perf_counter() - e0)
@@ -235,28 +235,21 @@ class Study:
                      f"{eval_s:.1f} s -> {n} steps ({n * tokens_step / 1e6:.1f}M tokens) per run "
                      f"for {', '.join(r.name for r in sized_runs)}")
 
-    def _sample_loss(self, t) -> float:
-        """The loss on the trainer's fixed validation sample, not recorded."""
+    def _validation(self, t, chunks: int | None) -> dict[str, Any]:
+        """The loss on ``chunks`` validation sequences per domain (None: all), not recorded."""
         from remoe.method.losses import evaluate_loss
 
-        s = self.s
         return evaluate_loss(t.model, self.bundle.eval_batches(
-            "validation", seq_len=s.seq_len, batch_size=s.eval_batch,
-            max_chunks_per_domain=s.eval_chunks), list(self.bundle.domains),
-            device=t.device)["loss"]
+            "validation", seq_len=self.s.seq_len, batch_size=self.s.eval_batch,
+            max_chunks_per_domain=chunks), list(self.bundle.domains), device=t.device)
 
     def _whole_eval(self, t) -> dict[str, Any] | None:
-        from remoe.method.losses import evaluate_loss
-
         if self.now() > self.s.deadline_s:
             return None
         s = self.s
         t0 = time.perf_counter()
         with self._autocast(t):
-            res = evaluate_loss(t.model, self.bundle.eval_batches(
-                "validation", seq_len=s.seq_len, batch_size=s.eval_batch,
-                max_chunks_per_domain=s.whole_eval_chunks), list(self.bundle.domains),
-                device=t.device)
+            res = self._validation(t, s.whole_eval_chunks)
         return {"loss": res["loss"], "ppl": res["ppl"], "tokens": res["tokens"],
                 "domains": {d: v["loss"] for d, v in res["domains"].items()},
                 "chunks_per_domain": s.whole_eval_chunks or "all",

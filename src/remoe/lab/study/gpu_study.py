@@ -136,7 +136,8 @@ def _study(args: argparse.Namespace) -> int:
     import torch
 
     from remoe.experiment import padded_vocab
-    from remoe.lab.bench.gpu_check import device_info, versions
+    from remoe.lab.bench.gpu import device_info
+    from remoe.lab.bench.gpu_check import versions
 
     cuda = torch.cuda.is_available()
     s = resolve(args, cuda)
