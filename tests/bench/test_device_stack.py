@@ -139,7 +139,7 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
     assert {"env", "bf16_check", "head_loss", "table"} <= set(stages)
     assert [h["chunk"] for h in stages["head_loss"]] == [0, 4096], stages["head_loss"]
     rows = {k: v for k, v in stages.items() if isinstance(v, dict) and "router" in v}
-    assert len(rows) == 13, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
+    assert len(rows) == 15, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
     for name, row in rows.items():
         exact = row["plan"] == "exact"
         assert row["syncs_backward"] == 0 and row["syncs_step"] == 1, (name, row["syncs_report"])
@@ -157,8 +157,9 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
             assert row["pairs_per_token"] == 1.0
         if row["profile"] is not None:
             assert row["profile"]["by_category_ms"] and row["profile"]["wall_ms"] > 0
+    assert sum(r["step_options"] == ["prefetch", "cast_experts_once"] for r in rows.values()) == 2
     ratios = check["relu_vs_topk"]
-    assert len(ratios) == 6 and all(q["pair_ratio"] > 0 for q in ratios), ratios
+    assert len(ratios) == 7 and all(q["pair_ratio"] > 0 for q in ratios), ratios
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -120,7 +120,8 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
               vocab: int = GPT2_VOCAB, peak_tflops: float | None = None,
               matmul_peak: float | None = None, compile_backend: str | None = None,
               plan: str = "exact", grad_accum: int = 1, capture_dynamic: bool = False,
-              adamw: str = "auto", loss_chunk: int = 0, profile: bool = False) -> dict:
+              adamw: str = "auto", loss_chunk: int = 0, profile: bool = False,
+              step_options: tuple[str, ...] = ()) -> dict:
     """Tokens/s, MFU, peak memory and syncs per step of the real trainer step (see module doc).
 
     ``compile_backend``: each decoder block compiled with it (``inductor``: what
@@ -130,8 +131,9 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     steps' pairs; :class:`remoe.train.control.CapacityPlan`); ``capture_dynamic``: dynamo
     captures the exact plan's ``nonzero`` in the graph instead of breaking there (the sync
     stays). ``grad_accum``: micro-batches per optimizer step; ``adamw``, ``loss_chunk``:
-    ``train.adamw_impl``, ``train.loss_chunk_tokens``. ``profile``: also one step's device time
-    by kernel category (:func:`profile_step`).
+    ``train.adamw_impl``, ``train.loss_chunk_tokens``. ``step_options``: boolean ``train.*``
+    options switched on (``prefetch``, ``cast_experts_once``). ``profile``: also one step's
+    device time by kernel category (:func:`profile_step`).
 
     Equal work: every step reads the same ``grad_accum`` micro-batches, and ReLU's routers are
     calibrated on exactly those (:func:`remoe.lab.bench.model.force_model_density` over all of
@@ -150,7 +152,8 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
                           [f"train.device={device.type}", f"train.precision={precision}",
                            f"train.max_steps={warmup + steps + 10}", "train.lr=1e-12",
                            "train.min_lr=0", f"train.dispatch_plan={plan}",
-                           f"train.adamw_impl={adamw}", f"train.loss_chunk_tokens={loss_chunk}"])
+                           f"train.adamw_impl={adamw}", f"train.loss_chunk_tokens={loss_chunk}",
+                           *[f"train.{o}=true" for o in step_options]])
         t = Trainer(cfg, progress=False, data=SyntheticData(vocab, pool=grad_accum))
         try:
             layers = [b.ffn for b in t.model.layers if isinstance(b.ffn, MoELayer)]
@@ -194,7 +197,8 @@ def train_row(router: str, device: torch.device, preset: str = "small", seq_len:
     row = {"router": router, "preset": preset, "device": device_info(device)["name"],
            "precision": precision, "backend": "grouped_mm", "compiled": compile_backend,
            "plan": plan, "capture_dynamic": capture_dynamic, "adamw": adamw,
-           "loss_chunk": loss_chunk, "warmup_s": warmup_s, "seq_len": seq_len,
+           "loss_chunk": loss_chunk, "step_options": list(step_options), "warmup_s": warmup_s,
+           "seq_len": seq_len,
            "micro_batch": micro_batch, "grad_accum": grad_accum,
            "step_tokens": recs[-1]["step_tokens"], "steps_timed": steps,
            "tokens_per_s": tokens / dt, "step_ms": 1e3 * dt / steps,

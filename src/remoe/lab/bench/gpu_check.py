@@ -42,10 +42,11 @@ from pathlib import Path
 import torch
 
 def _row(router: str, mb: int = 16, accum: int = 4, plan: str = "capacity", compiled: bool = True,
-         capture: bool = False, adamw: str = "auto", chunk: int = 0, profile: bool = False):
+         capture: bool = False, adamw: str = "auto", chunk: int = 0, profile: bool = False,
+         step: tuple[str, ...] = ()):
     return {"router": router, "micro_batch": mb, "grad_accum": accum, "plan": plan,
             "backend": "inductor" if compiled else None, "capture_dynamic": capture,
-            "adamw": adamw, "loss_chunk": chunk, "profile": profile}
+            "adamw": adamw, "loss_chunk": chunk, "profile": profile, "step_options": list(step)}
 
 
 #: the rows in the order they run (what matters most first, if the budget cuts the rest)
@@ -57,6 +58,8 @@ ROWS = (
     _row("dense", adamw="fused", chunk=4096),
     _row("topk", 32, 2, adamw="fused"), _row("relu", 32, 2, adamw="fused"),
     _row("dense", 32, 2, adamw="fused"),
+    _row("relu", adamw="fused", step=("prefetch", "cast_experts_once")),
+    _row("topk", adamw="fused", step=("prefetch", "cast_experts_once")),
 )
 NO_CUDA = ("gpu check: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); "
            "nothing measured")
@@ -159,7 +162,8 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
                                 compile_backend=row["backend"], plan=row["plan"],
                                 grad_accum=row["grad_accum"],
                                 capture_dynamic=row["capture_dynamic"], adamw=row["adamw"],
-                                loss_chunk=row["loss_chunk"], profile=row["profile"])
+                                loss_chunk=row["loss_chunk"], profile=row["profile"],
+                                step_options=tuple(row["step_options"]))
             if row["backend"]:  # graphs compiled (recompilations included) and breaks in this row
                 res["dynamo"] = {k: v - before[k] for k, v in compile_counters().items()}
                 # a dispatch mode (the sync counter) makes dynamo run the eager code: with no

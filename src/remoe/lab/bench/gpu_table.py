@@ -17,6 +17,8 @@ def row_name(row: dict) -> str:
         name += f"_{row['adamw']}"
     if row["loss_chunk"]:
         name += f"_chunk{row['loss_chunk']}"
+    for option in row.get("step_options", ()):
+        name += f"_{option}"
     return name
 
 
@@ -30,6 +32,8 @@ def _row_label(r: dict) -> str:
         name += f", {r['adamw']} AdamW"
     if r.get("loss_chunk"):
         name += f", loss chunk {r['loss_chunk']}"
+    for option in r.get("step_options", ()):
+        name += f", {option.replace('_', ' ')}"
     return name
 
 
@@ -67,16 +71,18 @@ def table(res: dict) -> str:
 
 def relu_vs_topk(rows: list[dict]) -> list[dict]:
     """Each ReLU row against the TopK row of the same micro batch, accumulation, compile
-    setting, AdamW and loss chunk (the defaults when no TopK row has the same options): the
-    tokens/s ratio and the ratio of (token, expert) pairs per second, which holds the
-    comparison at equal work when the pairs per token differ."""
+    setting, AdamW, loss chunk and step options (the defaults when no TopK row has the same
+    options): the tokens/s ratio and the ratio of (token, expert) pairs per second, which holds
+    the comparison at equal work when the pairs per token differ."""
     def key(r, full=True):
         base = (r["micro_batch"], r.get("grad_accum", 1), r.get("compiled"))
-        return base + ((r.get("adamw", "auto"), r.get("loss_chunk", 0)) if full else ())
+        return base + ((r.get("adamw", "auto"), r.get("loss_chunk", 0),
+                        tuple(r.get("step_options", ()))) if full else ())
 
     topk = {key(r): r for r in rows if r["router"] == "topk"}
     plain = {key(r, False): r for r in rows if r["router"] == "topk"
-             and r.get("adamw", "auto") == "auto" and not r.get("loss_chunk")}
+             and r.get("adamw", "auto") == "auto" and not r.get("loss_chunk")
+             and not r.get("step_options")}
     out = []
     for r in rows:
         if r["router"] != "relu":
