@@ -299,3 +299,13 @@ def test_expert_use_at_a_recorded_step(remoe_run, tmp_path):
     whole = tmp_path / "whole"
     assert cli("analyze", ["experts", str(remoe_run), "--out", str(whole)]) == 0
     assert json.loads((whole / "expert_use.json").read_text())["calib"]["step"] == steps[-1]
+
+
+def test_expert_use_at_a_step_without_masks_says_so(remoe_run, tmp_path, capsys):
+    steps = [s for s, _ in Run(remoe_run).mask_files()]
+    missing = steps[0] + 1
+    assert missing not in steps
+    cli("analyze", ["experts", str(remoe_run), "--mask-step", str(missing),
+                    "--out", str(tmp_path / "x")])
+    assert f"no routing masks of step {missing}" in capsys.readouterr().out
+    assert not (tmp_path / "x" / "expert_use.json").exists()

@@ -154,6 +154,10 @@ def _unique(name: str, taken) -> str:
 def analyze_expert_use(run: Run, out: Path, opts: Options) -> dict[str, Any]:
     """Per layer: experts per token, effective and never-firing experts (last 10% of the
     training steps), no-expert share and inactive experts (last calibration masks)."""
+    recorded = [s for s, _ in run.mask_files()]
+    if opts.mask_step is not None and opts.mask_step not in recorded:  # as `domains` does
+        raise Skip(f"no routing masks of step {opts.mask_step} (recorded: "
+                   f"{', '.join(map(str, recorded)) or 'none'})")
     use = run_expert_use(run, opts.inactive_rule, step=opts.mask_step)
     if use is None:
         raise Skip(f"no expert counts or routing masks (router={run.router}: not an MoE run?)")
