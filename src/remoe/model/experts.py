@@ -190,8 +190,8 @@ def cast_once_per_step(model: nn.Module, dtype: torch.dtype | None):
     with gradients enabled, after the optimizer step before it. ``dtype=None`` (fp32) or
     weights already in ``dtype``: nothing to do. Not for FSDP-sharded experts (FSDP's own
     mixed-precision policy casts them when it gathers them)."""
-    held = [m for m in model.modules()
-            if isinstance(m, SwiGLUExperts) and dtype is not None and m.w_in_ND2H.dtype != dtype]
+    held = [] if dtype is None else [m for m in model.modules() if isinstance(m, SwiGLUExperts)
+                                     and m.w_in_ND2H.dtype != dtype]
     for m in held:
         m.step_weights = (m.w_in_ND2H.to(dtype), m.w_out_NHD.to(dtype))
     try:
