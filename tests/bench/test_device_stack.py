@@ -150,6 +150,7 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
         breaks = row["dynamo"]["graph_breaks"]
         broken = relu_exact and not row["capture_dynamic"]
         assert row["dynamo"]["frames"] >= 1 and (breaks > 0 if broken else breaks == 0), row
+        assert sum(row["dynamo"]["graph_break_reasons"].values()) == breaks, row["dynamo"]
         if row["router"] == "relu":  # the timed steps held TopK's pairs per token (k = 1)
             assert abs(row["pairs_per_token"] - 1.0) <= 0.02, row
             assert row["steps_redone"] == (None if exact else 0), row

@@ -220,6 +220,13 @@ def compile_counters() -> dict[str, int]:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """Dynamo's graph breaks so far, by reason (its message's text): how many of each."""
+    from torch._dynamo.utils import counters
+
+    return {str(k): int(v) for k, v in counters["graph_break"].items()}
+
+
 # ----------------------------------------------------------------------------- interrupt
 # Ctrl-C or a SIGTERM during training keeps the work: the first SIGINT or SIGTERM finishes the
 # current step and the trainer writes a checkpoint and stops (:class:`TrainingInterrupted`, exit

@@ -151,11 +151,11 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
             rec.log(f"[{name}] skipped (over the {budget_s:.0f} s budget)")
             continue
         try:
-            from remoe.train.runtime import compile_counters
+            from remoe.train.runtime import compile_counters, graph_break_reasons
 
             if row["backend"]:
                 torch._dynamo.reset()
-            before = compile_counters()
+            before, reasons_before = compile_counters(), graph_break_reasons()
             res = gpu.train_row(row["router"], device, preset, seq_len, row["micro_batch"], steps,
                                 warmup, vocab=vocab or gpu.GPT2_VOCAB, peak_tflops=peak,
                                 matmul_peak=env["matmul_bf16_tflops"],
@@ -166,6 +166,11 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
                                 step_options=tuple(row["step_options"]))
             if row["backend"]:  # graphs compiled (recompilations included) and breaks in this row
                 res["dynamo"] = {k: v - before[k] for k, v in compile_counters().items()}
+                # why each break happened (dynamo's message, cut to 400 characters): the fix
+                # is chosen from the device's own torch, which may differ from the CPU's
+                res["dynamo"]["graph_break_reasons"] = {
+                    k[:400]: n - reasons_before.get(k, 0)
+                    for k, n in graph_break_reasons().items() if n > reasons_before.get(k, 0)}
                 # a dispatch mode (the sync counter) makes dynamo run the eager code: with no
                 # graph break the compiled graphs hold the same ops, so the same syncs
                 res["syncs_counted_on"] = "eager code (no compiled code runs under the counter)"
@@ -186,6 +191,8 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
                 f"{res['syncs_backward']}/{res['syncs_step']}), warm-up {res['warmup_s']:.0f} s"
                 + (f", graphs {res['dynamo']['frames']} breaks {res['dynamo']['graph_breaks']}"
                    if "dynamo" in res else ""))
+        for why, n in (res.get("dynamo") or {}).get("graph_break_reasons", {}).items():
+            rec.log(f"[{name}] graph break x{n}: {why[:200]}")
         if res.get("profile"):
             p = res["profile"]
             cats = ", ".join(f"{k} {v:.1f}" for k, v in p["by_category_ms"].items())
