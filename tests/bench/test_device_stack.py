@@ -120,7 +120,12 @@ def stack(tmp_path_factory):
     (tmp / "site" / "sitecustomize.py").write_text(
         SITECUSTOMIZE.format(blocked=BLOCKED, copy=copy))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "REMOE"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(tmp / "site"), copy]), OMP_NUM_THREADS="1",
+    # PYTHONPATH entries other than a remoe checkout stay (after the copy): the device's torch
+    # installed with `pip install --target DIR` and put on PYTHONPATH is then the one tested
+    # (docs/GPU.md, "The device's torch on CPU")
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "remoe").is_dir()]
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp / "site"), copy, *keep]), OMP_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1", OUT=str(tmp / "out"))
     return tmp, copy, env
 
@@ -137,6 +142,7 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
     check = json.loads((tmp / "check" / "gpu_check.json").read_text())
     stages = check["stages"]
     assert {"env", "bf16_check", "head_loss", "table"} <= set(stages)
+    assert stages["env"]["versions"]["torch"] == torch.__version__  # the torch this test runs
     assert [h["chunk"] for h in stages["head_loss"]] == [0, 4096], stages["head_loss"]
     rows = {k: v for k, v in stages.items() if isinstance(v, dict) and "router" in v}
     assert len(rows) == 15, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}

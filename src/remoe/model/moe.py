@@ -165,7 +165,10 @@ class MoELayer(nn.Module):
         if on_device and r.num_pairs is None and base.accepts_padded_plan:
             full = r.max_pairs if r.max_pairs is not None else r.mask_TN.numel()
             if ctx.capacity is not None:  # a bound from the previous step (CapacityPlan)
-                capacity = torch.sym_min(ctx.capacity, full)
+                # the builtin min: dynamo traces it on symbolic ints in every torch we met;
+                # torch.sym_min of two ints broke the block's graph under torch 2.11 (an op
+                # returning a non-tensor), 2 breaks per model on the H200 (docs/GPU.md)
+                capacity = min(ctx.capacity, full)
             elif self.static_plan:
                 capacity = full
         plan = dispatch.plan(r.mask_TN, r.num_pairs, on_device=on_device, capacity=capacity)
