@@ -239,3 +239,11 @@ def test_plan_steps_fills_the_budget():
 def test_effective_experts():
     assert gpu_record.effective_experts([[5, 5, 5, 5]]) == [pytest.approx(4.0)]
     assert gpu_record.effective_experts([[9, 0, 0], [0, 0, 0]]) == [pytest.approx(1.0), None]
+
+
+def test_cuda_runs_use_the_capacity_plan_and_cpu_runs_the_default(tmp_path):
+    args = gpu_study.parser().parse_args([])
+    cuda = gpu_plan.base_sets(gpu_plan.resolve(args, cuda=True), "d", 8192, tmp_path)
+    cpu = gpu_plan.base_sets(gpu_plan.resolve(args, cuda=False), "d", 8192, tmp_path)
+    assert "train.dispatch_plan=capacity" in cuda  # ReLU exact, without a wait per layer
+    assert not any(s.startswith("train.dispatch_plan") for s in cpu)

@@ -98,6 +98,9 @@ def base_sets(s: Settings, data_dir: str, vocab: int, work_dir: Path) -> list[st
     if s.device == "cpu":  # torch here only: --build-data and --results-only run without it
         from torch import get_num_threads
         threads = [f"train.num_threads={get_num_threads()}"]
+    # on CUDA ReLU's pairs go through the capacity plan: the exact plan's results without its
+    # wait per layer (1.22x the exact plan's tokens/s on the H200, 2026-11-28; docs/GPU.md)
+    plan = ["train.dispatch_plan=capacity"] if s.device == "cuda" else []
     return [f"model.preset={s.preset}", "model.num_experts=8", "model.top_k=1",
             f"data.cache_dir={data_dir}", f"data.vocab_size={vocab}",
             f"train.device={s.device}", f"train.precision={s.precision}",
@@ -107,7 +110,7 @@ def base_sets(s: Settings, data_dir: str, vocab: int, work_dir: Path) -> list[st
             f"train.warmup_steps={s.warmup_steps}", "train.eval_every=0", "train.save_every=0",
             "train.log_every=0", f"train.eval_chunks_per_domain={s.eval_chunks}",
             f"train.eval_batch_size={s.eval_batch}", "analysis.record_masks_every=0",
-            f"run.out_dir={work_dir}", f"run.seed={s.seed}"] + threads
+            f"run.out_dir={work_dir}", f"run.seed={s.seed}"] + plan + threads
 
 
 def step_seconds(records: list[dict[str, Any]], skip: int) -> float:
