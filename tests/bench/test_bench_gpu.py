@@ -69,7 +69,12 @@ def test_kernel_categories_and_busy_time():
     assert cat("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense GEMM"
     assert cat("aten::index_select") == "gather / scatter / index"
     assert cat("Memcpy DtoH (Device -> Pinned)") == "copy / memset"
-    assert cat("triton_poi_fused_mul_silu_3") == "elementwise / other"
+    assert cat("triton_poi_fused_mul_silu_3") == "fused by inductor"
+    # a fused RMSNorm with its cast is not a copy, a fused gather not an index kernel
+    assert cat("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1") == "fused by inductor"
+    assert cat("triton_poi_fused_index_select_2") == "fused by inductor"
+    assert cat("void at::native::elementwise_kernel<direct_copy_kernel_cuda>") == "copy / memset"
+    assert cat("aten::gelu") == "elementwise / other"
     assert gpu._busy_ms([(0, 1000), (500, 1500), (3000, 3500)]) == 2.0
 
 

@@ -226,18 +226,26 @@ def _dynamo_capture(on: bool):
 
 
 #: (category, name fragments), first match wins: CUDA kernel names (cuBLAS / CUTLASS / flash /
-#: inductor's triton kernels) and, on CPU, aten operator names
+#: inductor's triton kernels) and, on CPU, aten operator names. Inductor names its fused
+#: kernels after every op inside (``triton_red_fused__to_copy_add_mean_mul_...``): they come
+#: before the copies and the index ops, or a fused RMSNorm with its dtype cast would count as
+#: a copy (as it did in the H200 profile of 2026-11-28, results/gpu/NOTES.md)
 KERNEL_CATEGORIES = (
     ("optimizer + clip", ("adam", "multi_tensor", "foreach", "optimizer.step", "clip_grad")),
     ("grouped GEMM", ("grouped", "group_gemm")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
     ("LM loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
-    ("dense GEMM", ("gemm", "matmul", "xmma", "nvjet", "cutlass", "cublas", "aten::mm",
+    ("fused by inductor", ("triton_poi", "triton_red", "triton_per")),
+    ("dense GEMM", ("gemm", "matmul", "xmma", "nvjet", "cutlass", "cublas", "triton_tem", "aten::mm",
                     "aten::addmm", "aten::bmm", "aten::linear")),
     ("gather / scatter / index", ("index", "gather", "scatter", "nonzero", "sort", "cumsum",
                                   "scan", "bincount", "radix", "unique", "histc")),
     ("copy / memset", ("memcpy", "memset", "copy")),
 )
+
+
+#: kernel names kept per category in a profile (``top_kernels``)
+TOP_KERNELS = 6
 
 
 def kernel_category(name: str) -> str:
@@ -279,21 +287,27 @@ def profile_step(t, device: torch.device) -> dict:
         t.train_step()
         _sync(device)
         wall_ms = 1e3 * (time.perf_counter() - t0)
-    by: dict[str, float] = {}
+    per_name: dict[str, float] = {}  # ms per kernel (or operator) name
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         for e in kernels:
-            cat = kernel_category(e.name)
-            by[cat] = by.get(cat, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+            per_name[e.name] = per_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
         busy = _busy_ms([(e.time_range.start, e.time_range.end) for e in kernels])
     else:
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0:
-                cat = kernel_category(e.key)
-                by[cat] = by.get(cat, 0.0) + e.self_cpu_time_total / 1e3
-        busy = sum(by.values())
+                per_name[e.key] = per_name.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
+        busy = sum(per_name.values())
+    by: dict[str, float] = {}
+    top: dict[str, list] = {}  # each category's heaviest names: what the next change targets
+    for name, ms in sorted(per_name.items(), key=lambda kv: -kv[1]):
+        cat = kernel_category(name)
+        by[cat] = by.get(cat, 0.0) + ms
+        if len(top.setdefault(cat, [])) < TOP_KERNELS:
+            top[cat].append([name[:160], round(ms, 3)])
     return {"wall_ms": wall_ms, "busy_ms": busy, "idle_ms": max(0.0, wall_ms - busy),
             "by_category_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+            "top_kernels": top,
             "source": "cuda kernels" if cuda else "cpu operators (self time)"}
 
 
