@@ -1,4 +1,4 @@
-"""Expert use from a step's counts and from routing masks (remoe.method.expertuse), and its
+"""Expert use from a step's counts and from routing masks (remoe.model.losses), and its
 place in the step statistics the trainer logs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from remoe.method.expertuse import effective_experts_of, no_expert_share_of
+from remoe.model.losses import effective_experts_of, no_expert_share_of
 from remoe.method.losses import step_statistics
 
 

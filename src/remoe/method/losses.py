@@ -9,7 +9,7 @@ each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N
 eq. 7), per-layer sparsity, active experts per token (overall and per layer), effective experts
 and dead (never-firing) experts, with the formulas of one forward's ``MoEAux``
 (``remoe.model.losses.sparsity_of`` / ``layer_sparsity_of``) and of
-:mod:`remoe.method.expertuse`.
+``remoe.model.losses``.
 
 Validation / test loss overall and per domain:
 
@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from remoe.method.expertuse import effective_experts_of
+from remoe.model.losses import effective_experts_of
 from remoe.model.losses import layer_sparsity_of, sparsity_of
 
 

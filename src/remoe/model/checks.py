@@ -6,12 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from remoe.errors import ConfigError
-
-
-def need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from remoe.errors import check
 
 
 def is_real(v: Any) -> bool:
@@ -26,21 +21,21 @@ def is_int(v: Any) -> bool:
 def positive_ints(obj: Any, names: tuple[str, ...], p: str) -> None:
     for name in names:
         v = getattr(obj, name)
-        need(is_int(v) and v >= 1, f"{p}{name}={v!r} must be a positive integer")
+        check(is_int(v) and v >= 1, f"{p}{name}={v!r} must be a positive integer")
 
 
 def nonnegative_reals(obj: Any, names: tuple[str, ...], p: str) -> None:
     for name in names:
         v = getattr(obj, name)
-        need(is_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
+        check(is_real(v) and v >= 0, f"{p}{name}={v!r} must be a finite number >= 0")
 
 
 def bools(obj: Any, names: tuple[str, ...], p: str) -> None:
     for name in names:
         v = getattr(obj, name)
-        need(isinstance(v, bool), f"{p}{name}={v!r} must be true or false")
+        check(isinstance(v, bool), f"{p}{name}={v!r} must be true or false")
 
 
 def one_of(obj: Any, name: str, allowed: tuple[str, ...], p: str) -> None:
     v = getattr(obj, name)
-    need(v in allowed, f"{p}{name}={v!r} must be one of {', '.join(allowed)}")
+    check(v in allowed, f"{p}{name}={v!r} must be one of {', '.join(allowed)}")

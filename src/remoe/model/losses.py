@@ -1,11 +1,22 @@
-"""What a forward reduces to, apart from the model: the sparsity S of paper eq. 7 (overall and
-per MoE layer) and the causal LM loss computed over chunks of tokens.
+"""What a forward reduces to, apart from the model: the routing statistics (the sparsity S of
+paper eq. 7, overall and per MoE layer; how many of its experts a layer uses) and the causal LM
+loss computed over chunks of tokens.
 
-Legend: B batch, S positions, T tokens, D model width, V vocabulary, L MoE layers, N experts.
+How many experts a layer uses, from the tokens routed to each expert (``counts_LN``: the counts
+a training step reduces once, ``metrics.jsonl`` ``expert_counts``): experts per token
+``sum_e c_{l,e} / T``; effective experts ``exp(H(p_l))`` with ``p_l = c_l / sum_e c_{l,e}`` the
+layer's load distribution (natural log, 0 log 0 = 0): N for a perfectly balanced layer, 1 when
+one expert takes every pair, 0 for a layer that routed nothing. From the routing masks
+(``masks_LTN``, bool ``[L, T, N]``: a calibration pass), which the counts cannot give: the
+share of tokens routed to no expert in each layer.
+
+Legend: B batch, S positions, T tokens, D model width, V vocabulary, L MoE layers, N experts
+(E*G).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -25,6 +36,23 @@ def layer_sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
     """[L]: 1 - active pairs / (T * N) of each MoE layer (every layer sees every token)."""
     N = counts_LN.shape[1]
     return 1.0 - counts_LN.sum(1) / max(num_tokens * N, 1)
+
+
+def effective_experts_of(counts_LN: Tensor) -> Tensor:
+    """[L] float64 exp(entropy) of each layer's load ``counts_LN / counts_LN.sum(1)``."""
+    c_LN = counts_LN.detach().to(torch.float64)
+    total_L1 = c_LN.sum(1, keepdim=True)
+    p_LN = c_LN / total_L1.clamp_min(1e-300)
+    ent_L = -torch.where(p_LN > 0, p_LN * p_LN.clamp_min(1e-300).log(), 0.0).sum(1)
+    return torch.where(total_L1[:, 0] > 0, ent_L.exp(), 0.0)
+
+
+def no_expert_share_of(masks_LTN: np.ndarray) -> np.ndarray:
+    """[L] float64 share of the T tokens with no active expert in each layer (NaN if T = 0)."""
+    m_LTN = np.asarray(masks_LTN, dtype=bool)
+    if m_LTN.shape[1] == 0:
+        return np.full(m_LTN.shape[0], np.nan)
+    return (~m_LTN.any(axis=2)).mean(axis=1, dtype=np.float64)
 
 
 def _lm_loss_sum(h_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> Tensor:

@@ -22,9 +22,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from remoe.errors import ConfigError
+from remoe.errors import ConfigError, check
 from remoe.model import registry
-from remoe.model.checks import (bools, is_int, is_real, need, nonnegative_reals, one_of,
+from remoe.model.checks import (bools, is_int, is_real, nonnegative_reals, one_of,
                                  positive_ints)
 from remoe.model.routers.options import LORY_FIRST_SEGMENT, REG_TYPES  # noqa: F401 (public)
 
@@ -86,17 +86,17 @@ class BackboneConfig:
     def validate(self, p: str = "model.") -> None:
         positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads",
                               "num_kv_heads", "ffn_hidden_size", "max_position_embeddings"), p)
-        need(self.hidden_size % self.num_heads == 0,
+        check(self.hidden_size % self.num_heads == 0,
               f"{p}num_heads={self.num_heads} must divide {p}hidden_size={self.hidden_size}")
-        need(self.num_heads % self.num_kv_heads == 0,
+        check(self.num_heads % self.num_kv_heads == 0,
               f"{p}num_kv_heads={self.num_kv_heads} must divide {p}num_heads={self.num_heads}")
-        need(self.head_dim % 2 == 0, f"{p}hidden_size/num_heads={self.head_dim} must be even "
+        check(self.head_dim % 2 == 0, f"{p}hidden_size/num_heads={self.head_dim} must be even "
               "(RoPE)")
-        need(is_real(self.rope_theta) and self.rope_theta > 0,
+        check(is_real(self.rope_theta) and self.rope_theta > 0,
               f"{p}rope_theta={self.rope_theta!r} must be > 0")
-        need(is_real(self.rms_norm_eps) and self.rms_norm_eps > 0,
+        check(is_real(self.rms_norm_eps) and self.rms_norm_eps > 0,
               f"{p}rms_norm_eps={self.rms_norm_eps!r} must be > 0")
-        need(is_real(self.init_std) and self.init_std > 0,
+        check(is_real(self.init_std) and self.init_std > 0,
               f"{p}init_std={self.init_std!r} must be > 0")
         bools(self, ("attention_bias", "qk_norm"), p)
 
@@ -192,21 +192,21 @@ class RoutingConfig:
         if self.router_module:  # a user's router registers itself on import
             registry.import_modules([self.router_module], f"{p}router_module")
         positive_ints(self, ("num_experts", "top_k", "granularity"), p)
-        need(isinstance(self.router, str) and self.router in registry.names(),
+        check(isinstance(self.router, str) and self.router in registry.names(),
               f"{p}router={self.router!r} must be one of {', '.join(registry.names())} (or a "
               "router registered by the module named in model.router_module)")
         one_of(self, "expert_backend", EXPERT_BACKENDS, p)
-        need(self.top_k <= self.num_experts,
+        check(self.top_k <= self.num_experts,
               f"{p}top_k={self.top_k} must be <= {p}num_experts={self.num_experts}")
         bools(self, ("shared_expert_gate",), p)
         v = self.shared_expert_size
-        need(is_int(v) and v >= 0,
+        check(is_int(v) and v >= 0,
               f"{p}shared_expert_size={v!r} must be an integer >= 0 (0: no shared expert)")
-        need(v == 0 or registry.is_token_router(self.router),
+        check(v == 0 or registry.is_token_router(self.router),
               f"{p}shared_expert_size={v} needs a token router (an MoE layer), not "
               f"{p}router={self.router!r}")
         opts_cls = registry.options_class(self.router)
-        need(type(self.options) is (opts_cls or type(None)),
+        check(type(self.options) is (opts_cls or type(None)),
               f"{p}router={self.router!r} takes options {getattr(opts_cls, '__name__', None)}, "
               f"not {type(self.options).__name__}")
         if self.options is not None:
@@ -240,20 +240,20 @@ class SparsityControlConfig:
     revive_method: str = "hinge"
 
     def validate(self, p: str = "model.") -> None:
-        need(is_real(self.alpha) and self.alpha > 1.0,
+        check(is_real(self.alpha) and self.alpha > 1.0,
               f"{p}alpha={self.alpha!r} must be a finite number > 1")
-        need(is_real(self.lambda0) and self.lambda0 > 0,
+        check(is_real(self.lambda0) and self.lambda0 > 0,
               f"{p}lambda0={self.lambda0!r} must be a positive finite number")
         one_of(self, "sparsity_control", SPARSITY_CONTROLS, p)
         one_of(self, "lambda_update", LAMBDA_UPDATES, p)
         one_of(self, "revive_method", REVIVE_METHODS, p)
         nonnegative_reals(self, ("lambda_pi_kp", "lambda_pi_ki", "lambda_floor"), p)
-        need(is_int(self.revive_after) and self.revive_after >= 0,
+        check(is_int(self.revive_after) and self.revive_after >= 0,
               f"{p}revive_after={self.revive_after!r} must be an integer >= 0 (0: off)")
-        need(is_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
+        check(is_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
               f"{p}revive_below={self.revive_below!r} must be a number in [0, 1) (a share of "
               "the step's tokens)")
-        need(is_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
+        check(is_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
                                             < self.revive_until < 1.0),
               f"{p}revive_until={self.revive_until!r} must be 0 (off) or a share of the step's "
               f"tokens in (revive_below={self.revive_below!r}, 1)")
@@ -287,7 +287,7 @@ def user_options_class(router: Any, router_module: Any = None) -> type | None:
     if opts is not None and router not in registry.BUILTINS:
         taken = set(section_fields()) | set(TOKEN_IDS) | {"preset", "moe_top_k"}
         clash = [f.name for f in dataclasses.fields(opts) if f.name in taken]
-        need(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
+        check(not clash, f"model.router={router!r} declares option {clash[0] if clash else ''!r}, "
               "which is already a model field: rename the option")
     return opts
 
@@ -342,7 +342,7 @@ def _check_options(opts: Any, p: str) -> None:
         if v is None and t.endswith("|None"):
             continue
         ok = _OPTION_TYPES.get(t.removesuffix("|None"))
-        need(ok is None or ok(v), f"{p}{f.name}={v!r} must be of type {t} (an option of "
+        check(ok is None or ok(v), f"{p}{f.name}={v!r} must be of type {t} (an option of "
               f"{p}router's module)")
     if callable(getattr(opts, "validate", None)):
         opts.validate(p)
@@ -373,7 +373,7 @@ class ModelSpec:
         fields = dict(fields)
         preset = fields.pop("preset", None)
         if preset is not None:
-            need(preset in PRESETS, f"model.preset={preset!r} must be one of {sorted(PRESETS)}")
+            check(preset in PRESETS, f"model.preset={preset!r} must be one of {sorted(PRESETS)}")
             fields = {**PRESETS[preset], **fields}
         if "moe_top_k" in fields:  # ReMoEConfig's / config.json's name for k
             k = fields.pop("moe_top_k")
@@ -409,6 +409,6 @@ class ModelSpec:
         self.backbone.validate(p)
         self.routing.validate(p)
         g, ffn = self.routing.granularity, self.backbone.ffn_hidden_size
-        need(ffn % g == 0, f"{p}granularity={g} must divide {p}ffn_hidden_size={ffn}")
+        check(ffn % g == 0, f"{p}granularity={g} must divide {p}ffn_hidden_size={ffn}")
         registry.validate_config(self.routing.router, self, p)
         self.control.validate(p)

@@ -18,7 +18,7 @@ import torch
 from remoe import rundir
 from remoe.errors import ConfigError
 from remoe.machine import perf
-from remoe.method.expertuse import no_expert_share_of
+from remoe.model.losses import no_expert_share_of
 from remoe.model import registry
 from remoe.model.spec import ModelSpec
 

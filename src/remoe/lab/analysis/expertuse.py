@@ -22,7 +22,7 @@ import torch
 
 from remoe.lab.analysis.inactive import inactive_threshold
 from remoe.lab.analysis.runlog import Run
-from remoe.method.expertuse import no_expert_share_of
+from remoe.model.losses import no_expert_share_of
 from remoe.method.losses import step_statistics
 
 TAIL_FRACTION = 0.1  # the last 10% of the logged steps

@@ -7,7 +7,7 @@
   mean number of active experts per token in layer l; an expert is inactive below
   :func:`remoe.lab.analysis.inactive.inactive_threshold` (default: a quarter of its fair share);
 * expert use per layer: effective experts exp(H(r_l / sum_e r_{l,e})), never-firing experts
-  (r_{l,e} = 0) and the share of tokens with no active expert (:mod:`remoe.method.expertuse`);
+  (r_{l,e} = 0) and the share of tokens with no active expert (``remoe.model.losses``);
 * per domain d: r_{d,l,e} = #{t in d : M^l_{t,e} = 1} / T_d  (Fig. 8) and the mean active
   experts per token a_{d,l} = sum_e r_{d,l,e}  (App. H);
 * per token id v: occurrences c_v and mean active experts over layers
@@ -31,7 +31,7 @@ import torch
 
 from remoe.lab.analysis.domainstats import cv_index_xL, cv_xLN, mi_bits_xL
 from remoe.lab.analysis.inactive import inactive_threshold
-from remoe.method.expertuse import effective_experts_of
+from remoe.model.losses import effective_experts_of
 
 
 @dataclass

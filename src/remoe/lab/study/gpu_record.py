@@ -37,7 +37,7 @@ def effective_experts(counts_LE: list[list[float]]) -> list[float | None]:
     """``exp`` of the entropy of each layer's token shares (None for a layer with no token)."""
     import torch
 
-    from remoe.method.expertuse import effective_experts_of
+    from remoe.model.losses import effective_experts_of
 
     if not counts_LE:
         return []

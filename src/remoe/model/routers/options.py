@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remoe.model.checks import is_int, is_real, need, nonnegative_reals, one_of, positive_ints
+from remoe.errors import check
+from remoe.model.checks import is_int, is_real, nonnegative_reals, one_of, positive_ints
 
 REG_TYPES = ("lb", "l1")  # ReLU's L_reg: eq. 9 (load-balanced) | eq. 8 (plain L1)
 LORY_FIRST_SEGMENT = ("uniform", "self")  # Lory's first segment: 1/E weights | own mean (leaks)
@@ -48,7 +49,7 @@ class ReLUOptions(_Options):
         super().validate(p)
         one_of(self, "reg_type", REG_TYPES, p)
         nonnegative_reals(self, ("revive_coeff", "gate_threshold", "balance_bias_rate"), p)
-        need(is_int(self.max_active) and self.max_active >= 0,
+        check(is_int(self.max_active) and self.max_active >= 0,
              f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
 
 
@@ -60,7 +61,7 @@ class LoadBalancingOption(_Options):
 
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
-        need(is_real(self.lb_coeff) and self.lb_coeff >= 0,
+        check(is_real(self.lb_coeff) and self.lb_coeff >= 0,
              f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
 
 
@@ -72,7 +73,7 @@ class NormalizeOption(_Options):
 
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
-        need(isinstance(self.topk_normalize, bool),
+        check(isinstance(self.topk_normalize, bool),
              f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
 
 
@@ -91,7 +92,7 @@ class TopKWarmupOptions(TopKOptions):
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
         positive_ints(self, ("warmup_k",), p)
-        need(is_int(self.warmup_steps) and self.warmup_steps >= 0,
+        check(is_int(self.warmup_steps) and self.warmup_steps >= 0,
              f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
 
 
@@ -103,7 +104,7 @@ class ExpertChoiceOptions(_Options):
 
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
-        need(is_real(self.capacity_factor) and self.capacity_factor > 0,
+        check(is_real(self.capacity_factor) and self.capacity_factor > 0,
              f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
 
 
@@ -115,7 +116,7 @@ class SparseMixerOptions(LoadBalancingOption):
 
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
-        need(is_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
+        check(is_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
              f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
 
 
