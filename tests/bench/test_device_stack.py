@@ -166,8 +166,9 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
             assert row["profile"]["by_category_ms"] and row["profile"]["wall_ms"] > 0
             top = row["profile"]["top_kernels"]  # each category's heaviest names, within it
             assert set(top) == set(row["profile"]["by_category_ms"])
-            for cat, names in top.items():
-                assert sum(ms for _, ms in names) <= row["profile"]["by_category_ms"][cat] + 1e-3
+            for cat, names in top.items():  # (each name's ms rounded to 0.001)
+                assert (sum(ms for _, ms in names)
+                        <= row["profile"]["by_category_ms"][cat] + 5e-4 * len(names))
     assert sum(r["step_options"] == ["prefetch", "cast_experts_once"] for r in rows.values()) == 2
     ratios = check["relu_vs_topk"]
     assert len(ratios) == 7 and all(q["pair_ratio"] > 0 for q in ratios), ratios
