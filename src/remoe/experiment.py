@@ -133,12 +133,14 @@ class TrainConfig:
     # checkpoints (remoe.distributed.fsdp, remoe.distributed.dcp; docs/SCALING.md)
     fsdp: bool = False
     compile: bool = False  # torch.compile each decoder block (remoe.train.runtime); off: eager
-    # the device path's plan for data-dependent routing (ReLU): exact (nonzero, one host sync
-    # per MoE layer; the faster one measured on an H200) | static (padded to a static capacity:
-    # no sync, but the padding rows' work and memory; docs/SCALING.md) | capacity (padded to a
+    # the device path's plan for data-dependent routing (ReLU), the same pairs and results on
+    # each: auto (capacity on CUDA with train.compile, without expert_parallel or fsdp: 1.22x
+    # exact's tokens/s on an H200; else exact; remoe.train.runtime.resolve_dispatch_plan) |
+    # exact (nonzero, one host sync per MoE layer) | static (padded to a static capacity: no
+    # sync, but the padding rows' work and memory; docs/SCALING.md) | capacity (padded to a
     # capacity from the previous steps' counts: no sync, one graph per compiled block, a step
     # whose pairs do not fit redone; remoe.train.control.CapacityPlan)
-    dispatch_plan: str = "exact"
+    dispatch_plan: str = "auto"
     # start from existing weights (remoe.train.init_from, docs/CONTINUE.md): a remoe model,
     # checkpoint or run directory, or a transformers Llama / Mixtral / Qwen2-MoE / OLMoE
     # directory (converted on the fly); the model: section then holds overrides only
@@ -183,8 +185,9 @@ class TrainConfig:
         check(isinstance(self.thread_probe_every, int) and self.thread_probe_every >= 1,
               f"train.thread_probe_every={self.thread_probe_every!r} must be an integer >= 1")
         check(isinstance(self.fsdp, bool), f"train.fsdp={self.fsdp!r} must be true or false")
-        check(self.dispatch_plan in ("exact", "static", "capacity"),
-              f"train.dispatch_plan={self.dispatch_plan!r} must be exact, static or capacity")
+        check(self.dispatch_plan in ("auto", "exact", "static", "capacity"),
+              f"train.dispatch_plan={self.dispatch_plan!r} must be auto, exact, static or "
+              "capacity")
         check(self.adamw_impl in ("auto", "foreach", "fused", "single"),
               f"train.adamw_impl={self.adamw_impl!r} must be auto, foreach, fused or single")
         check(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens,

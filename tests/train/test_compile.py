@@ -88,10 +88,23 @@ def test_relu_on_the_exact_plan_compiles_with_bounded_graphs(tmp_path, dynamo):
     assert graphs[0] >= 1 and graphs[-1] == graphs[3], graphs
 
 
-def test_dispatch_plan_is_exact_by_default_and_checked(tmp_path):
+def test_dispatch_plan_auto_is_resolved_per_device_and_checked(tmp_path):
     from remoe.model.moe import MoELayer
 
-    assert load_config(None, []).train.dispatch_plan == "exact"
+    tc = load_config(None, []).train
+    assert tc.dispatch_plan == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert runtime.resolve_dispatch_plan(tc, cpu) == "exact"  # the CPU default: as it was
+    assert runtime.resolve_dispatch_plan(tc, cuda) == "exact"  # eager: not measured faster
+    on = load_config(None, ["train.compile=true"]).train
+    assert runtime.resolve_dispatch_plan(on, cuda) == "capacity"  # 1.22x on an H200
+    assert runtime.resolve_dispatch_plan(on, cpu) == "exact"
+    for other in ("train.expert_parallel=true", "train.fsdp=true"):
+        assert runtime.resolve_dispatch_plan(
+            load_config(None, ["train.compile=true", other]).train, cuda) == "exact"
+    for plan in ("exact", "static", "capacity"):  # an explicit plan is the plan
+        assert runtime.resolve_dispatch_plan(
+            load_config(None, [f"train.dispatch_plan={plan}"]).train, cpu) == plan
     with pytest.raises(ConfigError, match="train.dispatch_plan"):
         load_config(None, ["train.dispatch_plan=padded"])
     cfg = load_config(None, ["model.router=relu", "model.preset=micro"])

@@ -90,7 +90,7 @@ class Trainer:
         self.controller, self.token_routers = self.control.controller, self.control.token_routers
         # train.dispatch_plan=capacity: each step's plan capacities (None: the layers' own plan)
         self.capacity = (CapacityPlan(len(self.token_routers))
-                         if tc.dispatch_plan == "capacity" and self.token_routers else None)
+                         if rt.dispatch_plan == "capacity" and self.token_routers else None)
         # train.prefetch on CUDA: the batches' copies run on their own stream (device_batches)
         self.copy_stream = (torch.cuda.Stream(self.device)
                             if tc.prefetch and self.device.type == "cuda" else None)
