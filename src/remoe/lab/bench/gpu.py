@@ -236,8 +236,8 @@ KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
     ("LM loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
     ("fused by inductor", ("triton_poi", "triton_red", "triton_per")),
-    ("dense GEMM", ("gemm", "matmul", "xmma", "nvjet", "cutlass", "cublas", "triton_tem", "aten::mm",
-                    "aten::addmm", "aten::bmm", "aten::linear")),
+    ("dense GEMM", ("gemm", "matmul", "xmma", "nvjet", "cutlass", "cublas", "triton_tem",
+                    "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
     ("gather / scatter / index", ("index", "gather", "scatter", "nonzero", "sort", "cumsum",
                                   "scan", "bincount", "radix", "unique", "histc")),
     ("copy / memset", ("memcpy", "memset", "copy")),
@@ -291,7 +291,8 @@ def profile_step(t, device: torch.device) -> dict:
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         for e in kernels:
-            per_name[e.name] = per_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+            ms = (e.time_range.end - e.time_range.start) / 1e3
+            per_name[e.name] = per_name.get(e.name, 0.0) + ms
         busy = _busy_ms([(e.time_range.start, e.time_range.end) for e in kernels])
     else:
         for e in prof.key_averages():
