@@ -134,8 +134,8 @@ class TrainConfig:
     fsdp: bool = False
     compile: bool = False  # torch.compile each decoder block (remoe.train.runtime); off: eager
     # the device path's plan for data-dependent routing (ReLU), the same pairs and results on
-    # each: auto (capacity on CUDA with train.compile, without expert_parallel or fsdp: 1.22x
-    # exact's tokens/s on an H200; else exact; remoe.train.runtime.resolve_dispatch_plan) |
+    # each: auto (capacity in one CUDA process with train.compile, without expert_parallel or
+    # fsdp: 1.22x exact's tokens/s on an H200; else exact; runtime.resolve_dispatch_plan) |
     # exact (nonzero, one host sync per MoE layer) | static (padded to a static capacity: no
     # sync, but the padding rows' work and memory; docs/SCALING.md) | capacity (padded to a
     # capacity from the previous steps' counts: no sync, one graph per compiled block, a step

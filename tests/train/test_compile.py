@@ -99,6 +99,7 @@ def test_dispatch_plan_auto_is_resolved_per_device_and_checked(tmp_path):
     on = load_config(None, ["train.compile=true"]).train
     assert runtime.resolve_dispatch_plan(on, cuda) == "capacity"  # 1.22x on an H200
     assert runtime.resolve_dispatch_plan(on, cpu) == "exact"
+    assert runtime.resolve_dispatch_plan(on, cuda, world_size=2) == "exact"  # not measured
     for other in ("train.expert_parallel=true", "train.fsdp=true"):
         assert runtime.resolve_dispatch_plan(
             load_config(None, ["train.compile=true", other]).train, cuda) == "exact"

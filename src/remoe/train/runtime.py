@@ -60,18 +60,19 @@ def setup_runtime(tc) -> Runtime:
         precision = "bf16" if device.type == "cuda" else "fp32"
     return Runtime(threads, fixed, info, device,
                    torch.bfloat16 if precision == "bf16" else None,
-                   resolve_dispatch_plan(tc, device))
+                   resolve_dispatch_plan(tc, device, info.world_size))
 
 
-def resolve_dispatch_plan(tc, device: torch.device) -> str:
+def resolve_dispatch_plan(tc, device: torch.device, world_size: int = 1) -> str:
     """``train.dispatch_plan`` for this device: ``auto`` is ``capacity`` where a GPU
-    measurement showed it faster with the same results (CUDA, each block compiled: 1.22x the
-    exact plan's tokens/s for ReLU on an H200, docs/GPU.md) and neither expert parallelism nor
-    FSDP (not measured with it), else ``exact`` (the CPU path: bit for bit what it was)."""
+    measurement showed it faster with the same results (one process on CUDA, each block
+    compiled: 1.22x the exact plan's tokens/s for ReLU on an H200, docs/GPU.md), else
+    ``exact`` (the CPU path: bit for bit what it was; several processes, expert parallelism
+    and FSDP: not measured with it, ``capacity`` explicitly to try it)."""
     if tc.dispatch_plan != "auto":
         return tc.dispatch_plan
-    on_gpu = device.type == "cuda" and tc.compile
-    return "capacity" if on_gpu and not (tc.expert_parallel or tc.fsdp) else "exact"
+    measured = device.type == "cuda" and tc.compile and world_size == 1
+    return "capacity" if measured and not (tc.expert_parallel or tc.fsdp) else "exact"
 
 
 def settle_threads(rt: Runtime, tc, state: dict | None, is_main: bool) -> None:
