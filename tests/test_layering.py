@@ -16,28 +16,29 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "remoe"
 #: package's ``cli.py`` and ``remoe/cli.py`` may import anything.
 ALLOWED = {
     "errors": set(),
+    "fileio": set(),  # atomic writes, for every package that writes files
     "lazy": set(),  # PEP 562 lazy public names of the light packages
     "safeyaml": {"errors"},
     "configfields": {"errors", "safeyaml"},  # YAML values onto a config's dataclass fields
     "model": {"errors", "lazy"},  # everything a saved model needs, its bundled code included
     "machine": {"errors"},
     "method": {"errors", "model"},
-    "data": {"errors", "lazy", "safeyaml"},
+    "data": {"errors", "fileio", "lazy", "safeyaml"},
     "experiment": {"errors", "safeyaml", "configfields", "model", "data"},
     "configfile": {"errors", "experiment"},  # which experiment file a command reads
     "rundir": {"errors", "model", "data", "experiment"},
     "distributed": {"errors", "model", "rundir"},
     "convert": {"errors", "model", "rundir"},
-    "eval": {"errors", "model", "method", "data", "rundir", "machine"},
+    "eval": {"errors", "fileio", "model", "method", "data", "rundir", "machine"},
     "analysis": {"errors", "lazy", "model", "method", "data", "rundir", "machine"},
-    "train": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
-              "distributed", "convert"},
+    "train": {"errors", "fileio", "safeyaml", "model", "machine", "method", "data", "experiment",
+              "rundir", "distributed", "convert"},
     "hf": {"errors", "model", "method", "data", "experiment", "rundir", "train"},
     # (bench/scale.py's torchrun worker runs the `remoe train` command: "cli")
-    "bench": {"errors", "model", "machine", "method", "data", "experiment", "rundir",
+    "bench": {"errors", "fileio", "model", "machine", "method", "data", "experiment", "rundir",
               "distributed", "train", "cli"},
-    "study": {"errors", "safeyaml", "model", "machine", "method", "data", "experiment", "rundir",
-              "analysis", "bench", "train"},
+    "study": {"errors", "fileio", "safeyaml", "model", "machine", "method", "data", "experiment",
+              "rundir", "analysis", "bench", "train"},
     "__init__": {"errors", "lazy", "model", "method"},  # `import remoe`: lazy public names
     "lab": set(),  # remoe/lab/__init__.py: the lab's docstring, nothing imported
 }

@@ -180,7 +180,7 @@ def load_documents(split: str, domain: str | None = None, *,
     """The raw documents of ``split`` from a prepared cache (optionally only ``domain``)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-    from remoe.data._io import read_json
+    from remoe.fileio import read_json
     from remoe.data.streambuild import STORE_DIR
 
     store = Path(cache_dir) / STORE_DIR

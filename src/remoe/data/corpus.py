@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from remoe.data._io import atomic_open, stable_unit
+from remoe.data._io import stable_unit
+from remoe.fileio import atomic_open
 from remoe.data.builtin import BUILTIN_DOMAINS
 from remoe.data.documents import SPLITS, Document
 

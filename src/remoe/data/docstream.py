@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 from remoe.data.builtin import BuiltinSource, builtin_sources
 from remoe.data.corpus import SourceSpec, parse_source
-from remoe.data._io import atomic_open, stable_hash
+from remoe.data._io import stable_hash
+from remoe.fileio import atomic_open
 from remoe.data.dedup import RecordedFingerprints, ReplayedFingerprints, SeenFingerprints
 from remoe.data.documents import Document
 from remoe.data.userdata import Warn, read_user_source

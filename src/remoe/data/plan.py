@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from remoe.data._io import atomic_open, atomic_write_json, read_json
+from remoe.fileio import atomic_open, atomic_write_json, read_json
 from remoe.data.builtin import builtin_sources
 from remoe.data.corpus import split_unit
 from remoe.data.documents import SPLITS

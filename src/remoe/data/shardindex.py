@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from remoe.data._io import atomic_open, sha256_file
+from remoe.data._io import sha256_file
+from remoe.fileio import atomic_open
 from remoe.data.documents import SPLITS
 from remoe.data.shards import unit_name
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from remoe.data._io import atomic_open, atomic_write_bytes
+from remoe.fileio import atomic_open, atomic_write_bytes
 from remoe.data.errors import DataError
 from remoe.data.leftovers import is_temporary
 

@@ -32,7 +32,8 @@ from typing import Any, Callable
 from tokenizers import Tokenizer
 
 from remoe.data import tokenizer as _tok
-from remoe.data._io import atomic_write_json, read_json, sha256_bytes, sha256_file, stable_unit
+from remoe.data._io import sha256_bytes, sha256_file, stable_unit
+from remoe.fileio import atomic_write_json, read_json
 from remoe.data.config import DEFAULT_TOKENIZER_TRAIN_BYTES, DataConfig
 from remoe.data.corpus import parse_source
 from remoe.data.docstream import stream_documents

@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from remoe.data._io import atomic_write_text, read_json, sha256_file
+from remoe.data._io import sha256_file
+from remoe.fileio import atomic_write_text, read_json
 
 log = logging.getLogger("remoe.data")
 

@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import yaml
+
+from remoe.fileio import atomic_write_text
 
 log = logging.getLogger("remoe.eval")
 
@@ -318,12 +319,6 @@ def task_yaml(task: str, data_file: Path, hf_cache: Path) -> dict[str, Any]:
     return cfg
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_builtin_tasks(docs: Mapping[str, Iterable[Any]] | Iterable[Any], out_dir: str | Path,
                         cfg: BuiltinTaskConfig | None = None,
                         tasks: Sequence[str] = BUILTIN_TASKS) -> dict[str, Any]:
@@ -363,15 +358,15 @@ def write_builtin_tasks(docs: Mapping[str, Iterable[Any]] | Iterable[Any], out_d
             manifest["skipped"][task] = "no domain of the held-out split qualifies"
             continue
         data = out / f"{task}.jsonl"
-        _atomic_write(data, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
-        _atomic_write(out / f"{task}.yaml", yaml.safe_dump(
+        atomic_write_text(data, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
+        atomic_write_text(out / f"{task}.yaml", yaml.safe_dump(
             task_yaml(task, data, out / ".hf_datasets"), sort_keys=False, allow_unicode=True))
         counts: dict[str, int] = {}
         for e in examples:
             counts[e["domain"]] = counts.get(e["domain"], 0) + 1
         manifest["tasks"][task] = {"examples": len(examples), "file": data.name,
                                    "examples_per_domain": counts}
-    _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from remoe import rundir
 from remoe.errors import ConfigError
+from remoe.fileio import atomic_open
 from remoe.machine import perf
 from remoe.model.losses import no_expert_share_of
 from remoe.model import registry
@@ -259,15 +259,12 @@ def write_masks(run_dir: Path, step: int, masks: list[torch.Tensor],
                 token_ids: torch.Tensor) -> Path:
     """Write one forward's masks (per MoE layer bool ``[T, N]``) atomically; returns the path."""
     masks_LTN = torch.stack([m.cpu() for m in masks]).numpy()
-    out_dir = run_dir / "routing"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"masks_{step:07d}.npz"
-    tmp = out_dir / f".masks_{step:07d}.tmp.npz"
-    np.savez_compressed(tmp, masks=np.packbits(masks_LTN, axis=-1),
-                        shape=np.array(masks_LTN.shape),
-                        token_ids=token_ids.reshape(-1).numpy(), step=np.array(step),
-                        no_expert_share=no_expert_share_of(masks_LTN))
-    os.replace(tmp, path)
+    path = run_dir / "routing" / f"masks_{step:07d}.npz"
+    with atomic_open(path) as f:
+        np.savez_compressed(f, masks=np.packbits(masks_LTN, axis=-1),
+                            shape=np.array(masks_LTN.shape),
+                            token_ids=token_ids.reshape(-1).numpy(), step=np.array(step),
+                            no_expert_share=no_expert_share_of(masks_LTN))
     return path
 
 

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from remoe.fileio import atomic_write_text
+
+
 def _row(router: str, mb: int = 16, accum: int = 4, plan: str = "capacity", compiled: bool = True,
          capture: bool = False, adamw: str = "auto", chunk: int = 0, profile: bool = False,
          step: tuple[str, ...] = ()):
@@ -93,9 +96,7 @@ class Recorder:
 
     def save(self, stage: str, value) -> None:
         self.res["stages"][stage] = value
-        tmp = self.path.with_name(".gpu_check.json.tmp")
-        tmp.write_text(json.dumps(self.res, indent=1, default=str))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.res, indent=1, default=str))
 
 
 def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_len: int = 1024,

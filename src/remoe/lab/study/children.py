@@ -93,12 +93,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return d if isinstance(d, dict) else None
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: the child gets SIGTERM when the study process dies (even by SIGKILL)."""
     try:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from remoe.fileio import atomic_write_bytes
 from remoe.rundir.files import finite_or_none
 
 SUMMARY, LOG, RUNS_DIR = "gpu_study.json", "gpu_study.log", "runs"
@@ -68,13 +68,6 @@ def last_share(records: list[dict[str, Any]], share: float = 0.1) -> list[dict[s
     return records[-n:]
 
 
-def _atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def dumps(obj: Any, indent: int | None = None) -> str:
     """JSON with non-finite floats as null (strict JSON readers refuse NaN)."""
     return json.dumps(finite_or_none(obj), indent=indent, default=str)
@@ -96,13 +89,13 @@ class Output:
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / SUMMARY
-        _atomic(path, dumps(summary, indent=1).encode())
+        atomic_write_bytes(path, dumps(summary, indent=1).encode())
         return path
 
     def write_run(self, name: str, record: dict[str, Any]) -> Path:
         path = self.dir / RUNS_DIR / f"{name}.json.gz"
         # mtime=0: the same record gives the same bytes
-        _atomic(path, gzip.compress(dumps(record).encode(), compresslevel=6, mtime=0))
+        atomic_write_bytes(path, gzip.compress(dumps(record).encode(), compresslevel=6, mtime=0))
         return path
 
 

@@ -32,9 +32,9 @@ import yaml
 from remoe.errors import ConfigError
 from remoe.lab.analysis.runlog import Run, run_has, run_json
 from remoe.lab.study.archive import committed_dir, export_run, up_to_date
-from remoe.lab.study.children import (atomic_write, config_diff, default_command,
-                                  die_with_parent, eval_command, eval_done, read_json,
-                                  same_experiment, tail)
+from remoe.fileio import atomic_write_text
+from remoe.lab.study.children import (config_diff, default_command, die_with_parent,
+                                      eval_command, eval_done, read_json, same_experiment, tail)
 from remoe.lab.study.reuse import adopt_identical, finished_runs
 from remoe.lab.study.runconfig import apply_stop, load_run_config
 from remoe.lab.study.runstate import RunState, add_wall, last_write
@@ -201,7 +201,7 @@ class Study:
                "threads_per_job": self.threads, "cores": cores(),
                "runs": {r.name: {"group": r.group, "label": r.label, "seed": r.seed,
                                  **self.states[r.name].to_dict()} for r in self.spec.runs}}
-        atomic_write(self.out / STATE_FILE, json.dumps(doc, indent=2))
+        atomic_write_text(self.out / STATE_FILE, json.dumps(doc, indent=2))
 
     def refresh_done(self) -> None:
         """Runs finished on disk are done, whatever an earlier (killed) study wrote."""
@@ -319,7 +319,7 @@ class Study:
             self.check_existing([r])
         path = self.config_path(r)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
+        atomic_write_text(path, yaml.safe_dump(cfg, sort_keys=False))
         resume = self.summary(r) is None and self.has_checkpoint(r)
         # no checkpoint yet but leftovers of a killed attempt: remoe train archives them
         # (to runs/<name>.old-<time>) and starts over
