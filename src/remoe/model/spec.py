@@ -253,8 +253,8 @@ class SparsityControlConfig:
         check(is_real(self.revive_below) and 0.0 <= self.revive_below < 1.0,
               f"{p}revive_below={self.revive_below!r} must be a number in [0, 1) (a share of "
               "the step's tokens)")
-        check(is_real(self.revive_until) and (self.revive_until == 0.0 or self.revive_below
-                                            < self.revive_until < 1.0),
+        check(is_real(self.revive_until)
+              and (self.revive_until == 0.0 or self.revive_below < self.revive_until < 1.0),
               f"{p}revive_until={self.revive_until!r} must be 0 (off) or a share of the step's "
               f"tokens in (revive_below={self.revive_below!r}, 1)")
 

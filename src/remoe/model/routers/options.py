@@ -50,7 +50,7 @@ class ReLUOptions(_Options):
         one_of(self, "reg_type", REG_TYPES, p)
         nonnegative_reals(self, ("revive_coeff", "gate_threshold", "balance_bias_rate"), p)
         check(is_int(self.max_active) and self.max_active >= 0,
-             f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
+              f"{p}max_active={self.max_active!r} must be an integer >= 0 (0: off)")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class LoadBalancingOption(_Options):
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
         check(is_real(self.lb_coeff) and self.lb_coeff >= 0,
-             f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
+              f"{p}lb_coeff={self.lb_coeff!r} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class NormalizeOption(_Options):
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
         check(isinstance(self.topk_normalize, bool),
-             f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
+              f"{p}topk_normalize={self.topk_normalize!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class TopKWarmupOptions(TopKOptions):
         super().validate(p)
         positive_ints(self, ("warmup_k",), p)
         check(is_int(self.warmup_steps) and self.warmup_steps >= 0,
-             f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+              f"{p}warmup_steps={self.warmup_steps!r} must be an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ExpertChoiceOptions(_Options):
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
         check(is_real(self.capacity_factor) and self.capacity_factor > 0,
-             f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
+              f"{p}capacity_factor={self.capacity_factor!r} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class SparseMixerOptions(LoadBalancingOption):
     def validate(self, p: str = "model.") -> None:
         super().validate(p)
         check(is_real(self.sparsemixer_jitter) and 0 <= self.sparsemixer_jitter < 1,
-             f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
+              f"{p}sparsemixer_jitter={self.sparsemixer_jitter!r} must be in [0, 1)")
 
 
 @dataclass(frozen=True)
