@@ -358,7 +358,8 @@ def write_builtin_tasks(docs: Mapping[str, Iterable[Any]] | Iterable[Any], out_d
             manifest["skipped"][task] = "no domain of the held-out split qualifies"
             continue
         data = out / f"{task}.jsonl"
-        atomic_write_text(data, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in examples))
+        atomic_write_text(data, "".join(json.dumps(e, ensure_ascii=False) + "\n"
+                                        for e in examples))
         atomic_write_text(out / f"{task}.yaml", yaml.safe_dump(
             task_yaml(task, data, out / ".hf_datasets"), sort_keys=False, allow_unicode=True))
         counts: dict[str, int] = {}

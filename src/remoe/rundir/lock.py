@@ -22,7 +22,7 @@ from remoe.rundir.files import say, warn, writing
 
 LOCK_FILE = ".lock"
 # what an interrupted write leaves behind: .step_*.tmp<pid>, .final.tmp<pid>, .<file>.tmp<pid>,
-# .masks_<step>.tmp.npz, .step_*.tmp-delete (a prune in progress)
+# .masks_<step>.npz.<random>.tmp (remoe.fileio), .step_*.tmp-delete (a prune in progress)
 _TEMP_RE = re.compile(r"^\..+\.tmp")
 
 

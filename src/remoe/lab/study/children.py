@@ -5,7 +5,6 @@ experiment, small tolerant readers, and the child's death with its parent."""
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from remoe import fileio
 from remoe.lab.study.runconfig import load_run_config
 
 #: Config fields that may differ between two runs of the same experiment: threads (they follow
@@ -86,10 +86,8 @@ def read_yaml(path: Path) -> dict[str, Any] | None:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    """The JSON object in ``path``; None if missing, unreadable or not an object."""
+    d = fileio.read_json(path)
     return d if isinstance(d, dict) else None
 
 
