@@ -122,9 +122,9 @@ class TrainConfig:
     # steps (faster beside busy processes, but not bit-reproducible across loads)
     num_threads: int | str | None = None
     thread_probe_every: int = 50
-    # pin ATen, MKL and oneDNN to their AVX2 kernels before torch starts (remoe.machine.kernels),
-    # so the same config and seed give the same bits on any x86-64 with AVX2; needs a fixed
-    # num_threads (docs/RELIABILITY.md)
+    # pin ATen and oneDNN to their AVX2 kernels and MKL to its vendor-neutral branch before torch
+    # starts (remoe.machine.kernels), so the same config and seed give the same bits on any
+    # x86-64 with AVX2; needs a fixed num_threads (docs/RELIABILITY.md)
     portable_kernels: bool = False
     # expert parallelism under torchrun: rank r holds experts [r*N/W, (r+1)*N/W) of every MoE
     # layer (remoe.distributed.expert_parallel); no-op with one process

@@ -3,12 +3,16 @@ same bits on any x86-64 CPU with AVX2, Intel or AMD.
 
 By default ATen picks its vectorised kernels for the CPU it finds (AVX-512 on an Intel Xeon,
 AVX2 on an AMD EPYC), and so do MKL (sgemm) and oneDNN; their float32 results differ in the low
-bits, and a training trajectory amplifies them (docs/RELIABILITY.md). Pinning all three to their
-AVX2 code path (MKL's conditional numerical reproducibility, ``MKL_CBWR=AVX2``) removes that
-choice. They are read once, when torch starts: ``remoe train`` sets them before it imports
-torch (or restarts itself with them); a process that already started torch is refused in one
-line naming the environment to set. A fixed ``train.num_threads`` is required too, since the
-default (all usable cores) differs between machines.
+bits, and a training trajectory amplifies them (docs/RELIABILITY.md). The pin removes that
+choice: ATen and oneDNN run their AVX2 code, and MKL its conditional numerical reproducibility
+branch ``COMPATIBLE`` (SSE2 without the approximate rcpps/rsqrtps). ``COMPATIBLE`` because it is
+the one fixed MKL branch that non-Intel CPUs honour: ``MKL_CBWR=AVX2`` is Intel-only, and an AMD
+CPU silently runs MKL's ``AUTO`` branch under it (``MKL_VERBOSE`` prints ``CNR:AUTO``), which
+differed from an Intel Xeon in the last bit of step 1's gradient norm. The variables are read
+once, when torch starts: ``remoe train`` sets them before it imports torch (or restarts itself
+with them); a process that already started torch is refused in one line naming the environment
+to set. A fixed ``train.num_threads`` is required too, since the default (all usable cores)
+differs between machines.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from collections.abc import Mapping
 
 from remoe.errors import ConfigError
 
-#: the environment that pins ATen, MKL and oneDNN to their AVX2 code paths
-PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: the environment that pins ATen and oneDNN to their AVX2 code and MKL to its vendor-neutral
+#: reproducible branch
+PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def unpinned(env: Mapping[str, str]) -> dict[str, str]:
