@@ -14,9 +14,11 @@ see exactly the same samples at every step. Sample ``g`` is chunk ``perm_e[g mod
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from typing import Iterator
 
 import numpy as np
+import torch
 
 from remoe.data.errors import DataError
 from remoe.data.shardstore import ShardedStore
@@ -49,11 +51,8 @@ class TrainBatches:
             raise DataError(
                 f"split {store.name!r} has no chunk of {self.seq_len + 1} tokens "
                 f"({store.num_tokens} tokens in total): use a shorter seq_len or more data")
+        self.num_chunks = len(self.table)
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.table)
 
     @property
     def samples_per_step(self) -> int:
@@ -109,6 +108,36 @@ class TrainBatches:
         """Fractional epoch reached at the start of ``step``."""
         return step * self.samples_per_step / self.num_chunks
 
+
+
+def device_batches(sampler, step: int, rank: int, grad_accum: int, device: torch.device,
+                   pin_memory: bool = False, prefetch: bool = False,
+                   stream=None) -> Iterator[torch.Tensor]:
+    """Step ``step``'s ``grad_accum`` micro-batches of rank ``rank`` (``input_ids``) on
+    ``device``, in order, from ``sampler.batch(step, micro, rank)`` (a :class:`TrainBatches`, or
+    anything with that method). ``pin_memory`` (CUDA): copied from pinned host memory, so the
+    copy does not block the host. ``prefetch``: each batch is read and its copy issued before
+    the one before it is computed; on CUDA on ``stream``, which the compute stream waits for.
+    The batches are the same either way (they are read by index)."""
+
+    def load(micro: int) -> torch.Tensor:
+        ids, _ = sampler.batch(step, micro, rank)
+        if pin_memory and device.type == "cuda":
+            ids = ids.pin_memory()
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            return ids.to(device, non_blocking=True)
+
+    nxt = load(0)
+    for micro in range(grad_accum):
+        cur, more = nxt, micro + 1 < grad_accum
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+            cur.record_stream(torch.cuda.current_stream())
+        if more and prefetch:
+            nxt = load(micro + 1)
+        yield cur
+        if more and not prefetch:
+            nxt = load(micro + 1)
 
 def eval_chunk_indices(table: ChunkTable, num_domains: int,
                        max_chunks_per_domain: int | None = None) -> np.ndarray:

@@ -278,6 +278,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
                                     for i in range(b.num_layers))
         self.norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
         self.lm_head = nn.Linear(b.hidden_size, b.vocab_size, bias=False)
+        self.rope = (b.head_dim, b.rope_theta)  # rotary width and base (rope_cos_sin)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -355,8 +356,7 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -S:]
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
-        b = self.spec.backbone
-        cos, sin = rope_cos_sin(position_ids, b.head_dim, b.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, *self.rope)
         attn_mask = _attention_mask(attention_mask, S, past + S, input_ids.device)
         ctx = RouterContext(batch_size=B, seq_len=S, token_ids_T=input_ids.reshape(-1),
                             step=train_step, record_masks=record_masks, past_len=past,

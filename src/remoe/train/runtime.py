@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,30 +304,3 @@ class StopOnInterrupt:
 
     def __exit__(self, *exc) -> None:
         self._restore()
-
-
-def device_batches(sampler, step: int, rank: int, tc, device: torch.device, stream=None):
-    """Step ``step``'s ``tc.grad_accum`` micro-batches of this rank on ``device``, in order.
-    ``tc.pin_memory`` (CUDA): copied from pinned host memory, so the copy does not block the
-    host. ``tc.prefetch``: each batch is read and its copy issued before the one before it is
-    computed; on CUDA on ``stream``, which the compute stream waits for. The batches are the
-    same either way (the sampler reads by index)."""
-
-    def load(micro: int) -> torch.Tensor:
-        ids, _ = sampler.batch(step, micro, rank)
-        if tc.pin_memory and device.type == "cuda":
-            ids = ids.pin_memory()
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            return ids.to(device, non_blocking=True)
-
-    nxt = load(0)
-    for micro in range(tc.grad_accum):
-        cur, more = nxt, micro + 1 < tc.grad_accum
-        if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)
-            cur.record_stream(torch.cuda.current_stream())
-        if more and tc.prefetch:
-            nxt = load(micro + 1)
-        yield cur
-        if more and not tc.prefetch:
-            nxt = load(micro + 1)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from remoe import rundir
+from remoe.data.sampler import device_batches
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig
 from remoe.method.losses import penalty, total_loss
@@ -46,9 +47,8 @@ from remoe.train.metrics import (FlopCounter, MetricsWriter, ProgressLines, cali
 from remoe.train.optim import (build_optimizer, check_finite_losses, cosine_lr, finish_and_clip,
                                set_lr, stop_reason, update)
 from remoe.train.resume import load_checkpoint, logged_eval, restore_last_record, start_run_dir
-from remoe.train.runtime import (StopOnInterrupt, TrainingInterrupted, device_batches, lay_out,
-                                 prepare_run_data, settle_threads, setup_runtime, start_model,
-                                 wrap_data_parallel)
+from remoe.train.runtime import (StopOnInterrupt, TrainingInterrupted, lay_out, prepare_run_data,
+                                 settle_threads, setup_runtime, start_model, wrap_data_parallel)
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -62,6 +62,7 @@ class Trainer:
         tc = cfg.train
         self.rt = rt = setup_runtime(tc)  # threads, process group, device, precision
         self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
+        self.distributed = self.dist.enabled  # more than one process
         self.autocast_dtype = rt.autocast_dtype
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
@@ -91,7 +92,8 @@ class Trainer:
         # train.dispatch_plan=capacity: each step's plan capacities (None: the layers' own plan)
         self.capacity = (CapacityPlan(len(self.token_routers))
                          if rt.dispatch_plan == "capacity" and self.token_routers else None)
-        # train.prefetch on CUDA: the batches' copies run on their own stream (device_batches)
+        # train.prefetch on CUDA: the batches' copies run on their own stream
+        # (remoe.data.sampler.device_batches)
         self.copy_stream = (torch.cuda.Stream(self.device)
                             if tc.prefetch and self.device.type == "cuda" else None)
         if self.init is not None and self.controller is not None and self.init.lambdas:
@@ -142,7 +144,7 @@ class Trainer:
 
     # -- construction helpers ---------------------------------------------------------------
     def _barrier(self) -> None:
-        if self.dist.enabled:
+        if self.distributed:
             dist.barrier()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -181,7 +183,7 @@ class Trainer:
         ckpt_io.set_rng_state(state["rng"])
 
     def save(self) -> Path | None:
-        if self.dist.enabled:  # every rank must hold the same lambda
+        if self.distributed:  # every rank must hold the same lambda
             self.control.check_ranks_agree(self.device, self.step)
         if self.dist.is_main:  # the lines a resume from this checkpoint keeps are on disk first
             self.metrics.sync()
@@ -286,15 +288,15 @@ class Trainer:
         # micro-batches (remoe.model.experts.cast_once_per_step; fp32: nothing to cast)
         cast = self.autocast_dtype if tc.cast_experts_once else None
         with cast_once_per_step(self.model, cast):
-            batches = device_batches(self.sampler, step, self.dist.rank, tc, self.device,
-                                     self.copy_stream)
+            batches = device_batches(self.sampler, step, self.dist.rank, tc.grad_accum,
+                                     self.device, tc.pin_memory, tc.prefetch, self.copy_stream)
             for micro, input_ids in enumerate(batches):
                 tokens_micro, caps = self._micro_step(step, micro, input_ids, coeff,
                                                       layer_coeffs, revive, caps)
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
         # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        return (self.control.reduce(self.device, self.dist.enabled, grad_norm=norm),
+        return (self.control.reduce(self.device, self.distributed, grad_norm=norm),
                 tokens_micro, caps)
 
     def _micro_step(self, step: int, micro: int, input_ids, coeff: float, layer_coeffs, revive,
@@ -369,7 +371,7 @@ class Trainer:
         reason = self._should_stop()
         last_rec = None
         # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint (runtime.py)
-        ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
+        ctrl_c = StopOnInterrupt(enabled=not self.distributed)
         try:
             with ctrl_c:
                 while reason is None:
