@@ -9,7 +9,7 @@ Definitions and file formats: docs/ANALYSIS.md.
 
 Parts: :mod:`remoe.lab.analysis.common` (names, :class:`Options`, :class:`Skip`, writers),
 :mod:`remoe.lab.analysis.log_analyses`, :mod:`remoe.lab.analysis.model_analyses`; this module runs
-them (:func:`analyze`) and re-exports their names.
+them (:func:`analyze`).
 """
 
 from __future__ import annotations
@@ -19,24 +19,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from remoe.lab.analysis.common import (ANALYSES, HOOK_ANALYSES, LOG_ANALYSES, MODEL_ANALYSES,
-                                   STATS_FILE, Options, Skip, json_safe, write_csv, write_json)
+from remoe.lab.analysis.common import (ANALYSES, HOOK_ANALYSES, MODEL_ANALYSES, STATS_FILE,
+                                       Options, Skip, json_safe, write_json)
 from remoe.lab.analysis.gates import analyze_gates
 from remoe.lab.analysis.log_analyses import (analyze_expert_use, analyze_flips, analyze_sparsity,
-                                             analyze_stages, compute_stages, flip_summary,
-                                             run_flips, sparsity_skip)
+                                             analyze_stages)
 from remoe.lab.analysis.model_analyses import (analyze_allocation, analyze_heatmap,
-                                           analyze_specialization, layers_note, model_key,
-                                           routing_stats)
+                                               analyze_specialization, model_key, routing_stats)
 from remoe.lab.analysis.runlog import Run
 from remoe.errors import ConfigError
-
-__all__ = [  # the names this module has always offered (most now live in the modules above)
-    "ANALYSES", "LOG_ANALYSES", "MODEL_ANALYSES", "STATS_FILE", "Options", "Skip", "analyze",
-    "analyze_allocation", "analyze_flips", "analyze_heatmap", "analyze_sparsity",
-    "analyze_specialization", "analyze_stages", "compute_stages", "fingerprint", "flip_summary",
-    "layers_note", "routing_stats", "run_flips", "sparsity_skip", "write_csv", "write_json",
-]
 
 
 def fingerprint(run: Run, opts: Options) -> dict[str, Any]:

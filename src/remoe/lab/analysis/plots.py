@@ -14,32 +14,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from remoe.method.stages import Stages, band_excursions, centered_mean, trailing_mean
-from remoe.lab.analysis.plotkit import DPI, new_figure, png_bytes, save_png
-from remoe.lab.analysis.plotkit import colormap, layer_color, legend, positive, shade_stages, style_axes
-from remoe.lab.analysis.plots_routing import (
-                                          fig_domain_allocation,
-                                          fig_routed_heatmap,
-                                          fig_specialization,
-                                          fig_token_allocation,
-                                          fig_top_tokens,
-                                          )
-
-__all__ = [
-    "DPI",
-    "fig_curves",
-    "fig_domain_allocation",
-    "fig_flips",
-    "fig_layer_sparsity",
-    "fig_routed_heatmap",
-    "fig_sparsity",
-    "fig_specialization",
-    "fig_stages",
-    "fig_token_allocation",
-    "fig_top_tokens",
-    "new_figure",
-    "png_bytes",
-    "save_png",
-]
+from remoe.lab.analysis.plotkit import (colormap, layer_color, legend, new_figure, png_bytes,
+                                        positive, save_png, shade_stages, style_axes)
+from remoe.lab.analysis.plots_routing import (fig_domain_allocation, fig_routed_heatmap,
+                                              fig_specialization, fig_token_allocation,
+                                              fig_top_tokens)
 
 # ----------------------------------------------------------------------------- training logs
 

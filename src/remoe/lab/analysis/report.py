@@ -9,7 +9,7 @@ specialisation number).
 
 Parts: :mod:`remoe.lab.analysis.report_html` (HTML pieces), :mod:`remoe.lab.analysis.report_facts`
 (what is read from a run), :mod:`remoe.lab.analysis.report_sections` (the sections); this module
-assembles the page and re-exports their names.
+assembles the page.
 """
 
 from __future__ import annotations
@@ -19,17 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from remoe.lab.analysis.analyze import Options, analyze
-from remoe.lab.analysis.report_facts import (eval_loss, final_eval, final_lambda, last_lm_loss,
-                                         model_facts, val_label, zero_shot)
-from remoe.lab.analysis.report_html import CSS, esc, fmt, img, table
-from remoe.lab.analysis.report_sections import FIGURES, comparison_section, run_section
+from remoe.lab.analysis.report_facts import zero_shot  # noqa: F401 (imported from here too)
+from remoe.lab.analysis.report_html import CSS, esc, fmt, table  # noqa: F401 (fmt, table)
+from remoe.lab.analysis.report_sections import comparison_section, run_section
 from remoe.lab.analysis.runlog import Run
-
-__all__ = [  # the names this module has always offered (most now live in the modules above)
-    "CSS", "FIGURES", "ReportOptions", "build_report", "comparison_section", "esc",
-    "eval_loss", "final_eval", "final_lambda", "fmt", "img", "last_lm_loss", "model_facts",
-    "run_section", "table", "val_label", "zero_shot",
-]
 
 
 @dataclass

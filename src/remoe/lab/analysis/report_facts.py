@@ -118,6 +118,11 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def num(v: Any, spec: str) -> str:
+    """``v`` formatted by ``spec`` where it :func:`is_number`, else "–" (the study's tables)."""
+    return format(v, spec) if is_number(v) else "–"
+
+
 def last_value(run: Run, key: str) -> float | None:
     """The last logged value of ``key`` in ``metrics.jsonl`` (None if none or not finite)."""
     if not len(run.metrics):

@@ -1,5 +1,5 @@
 """The HTML pieces of ``remoe report``: the style sheet, escaping, number formatting, embedded
-PNG figures and tables."""
+PNG figures and tables; and the markdown table of the studies' results (:func:`md_table`)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,9 @@ def table(head: list[str], rows: list[list[Any]], left: int = 1,
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
+
+
+def md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    """The lines of a markdown table: ``head``, then one row per ``body`` entry (cells as text)."""
+    return (["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+            + ["| " + " | ".join(r) + " |" for r in body])

@@ -189,9 +189,8 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
     t_start = time.perf_counter()
     suite = args.suite
     out_path = args.out or Path("bench_results") / f"{suite}{'-quick' if args.quick else ''}.json"
-    res: dict = {"schema": "remoe-bench/1", "command": " ".join(sys.argv),
-                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": bool(args.quick),
-                 "machine": common.machine_info(alloc_desc)}
+    res = _header("remoe-bench/1", quick=bool(args.quick))
+    res["machine"] = common.machine_info(alloc_desc)
     m = res["machine"]
     m["busy_spinners_started"] = args.busy
     if args.quick:
@@ -218,11 +217,13 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
     use_cpu = metric == "cpu_ms"
     peak = ceiling["matmul_fp32_gflops_per_cpu_s" if use_cpu else "matmul_fp32_gflops"]
 
-    if suite == "load":
-        from remoe.lab.bench.load import run_load
+    if suite in ("load", "scale"):  # the `remoe train` config they run
         from remoe.experiment import DEFAULT_CONFIG
 
         config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    if suite == "load":
+        from remoe.lab.bench.load import run_load
+
         print(f"\nload suite: `remoe train` ({config or 'default config'}), {args.load_steps} "
               "steps per run, alone and beside one CPU-bound process")
         res["load"] = run_load(config, steps=args.load_steps, allocator=args.allocator)
@@ -233,9 +234,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
 
     if suite == "scale":  # remoe.lab.bench.scale: DDP / FSDP / FSDP+EP over 1, 2, 4 gloo processes
         from remoe.lab.bench.scale import run_scale
-        from remoe.experiment import DEFAULT_CONFIG
 
-        config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
         quick = ["model.preset=micro", "train.seq_len=64"] if args.quick else []
         res["scale"] = run_scale(config, worlds=(1, 2) if args.quick else (1, 2, 4),
                                  steps=4 if args.quick else 8, extra=quick)
@@ -338,11 +337,22 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
 
     res["machine"]["loadavg_end"] = common.loadavg()
     res["machine"]["busy_processes_end"] = common.busy_processes()
+    _write(out_path, res, t_start, " [smoke run]" if args.quick else "")
+    return 0
+
+
+def _header(schema: str, **extra) -> dict:
+    """The first keys of a result: ``schema``, ``command``, ``created``, then ``extra``."""
+    return {"schema": schema, "command": " ".join(sys.argv),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+
+
+def _write(out_path: Path, res: dict, t_start: float, note: str = "") -> None:
+    """``res`` with ``elapsed_s`` (since ``t_start``) as JSON in ``out_path``; says so."""
     res["elapsed_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1, default=float))
-    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)" + (" [smoke run]" if args.quick else ""))
-    return 0
+    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)" + note)
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
@@ -356,16 +366,12 @@ def _run_gpu(args: argparse.Namespace) -> int:
         return 0
     t_start = time.perf_counter()
     out_path = args.out or Path("bench_results") / "gpu.json"
-    res = {"schema": "remoe-bench-gpu/1", "command": " ".join(sys.argv),
-           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    res = _header("remoe-bench-gpu/1", torch=torch.__version__, cuda=torch.version.cuda,
+                  gpus=torch.cuda.device_count())
     res.update(gpu.run_suite(torch.device("cuda"), preset=args.preset or "small",
                              seq_len=args.seq_len, micro_batch=args.micro_batch,
                              steps=args.steps, peak_tflops=args.peak_tflops))
-    res["elapsed_s"] = time.perf_counter() - t_start
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(res, indent=1, default=float))
-    print(f"\nwrote {out_path} ({res['elapsed_s']:.0f} s)")
+    _write(out_path, res, t_start)
     bad = [r["router"] for r in res["loss_check"] if not r["ok"]]
     return 1 if bad else 0
 

@@ -436,7 +436,3 @@ def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
 
 
 NO_CUDA_LINE = "gpu suite: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); nothing measured"
-
-
-__all__ = ["run_suite", "loss_check", "train_row", "profile_step",
-           "head_loss", "kernel_category", "peak_bf16_tflops", "PEAK_BF16_TFLOPS"]

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
+from remoe.fileio import atomic_open
 from remoe.lab.analysis.runlog import (MASK_FILE, METRICS_GZ, ROUTING_ARCHIVE, RUN_ARCHIVE,
                                        run_bytes, run_has, run_json)
 
@@ -50,15 +50,13 @@ def committed_dir(results_dir: Path | None, name: str) -> Path | None:
 def write_archive(members: dict[str, bytes], archive: Path) -> None:
     """``members`` (name -> bytes) as the zip ``archive``, written whole then renamed:
     sorted, fixed timestamps and modes, ``.npz`` stored and the rest deflated."""
-    tmp = archive.with_name(f".{archive.name}.tmp")
-    with zipfile.ZipFile(tmp, "w") as z:
+    with atomic_open(archive, "wb") as f, zipfile.ZipFile(f, "w") as z:
         for name in sorted(members):
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             info.compress_type = (zipfile.ZIP_STORED if name.endswith(".npz")
                                   else zipfile.ZIP_DEFLATED)
             z.writestr(info, members[name], compresslevel=9)
-    tmp.rename(archive)
 
 
 def _masks(routing_dir: Path) -> dict[str, bytes]:

@@ -181,6 +181,7 @@ def export_finished(study, log=print) -> list[str]:
 
 
 def _report(study, log=print) -> Path | None:
+    from remoe.fileio import atomic_write_text
     from remoe.lab.analysis.analyze import Options
     from remoe.lab.analysis.report import ReportOptions, build_report
 
@@ -202,9 +203,7 @@ def _report(study, log=print) -> Path | None:
                         ReportOptions(analysis=Options(), title=f"remoe study {study.spec.name}",
                                       analysis_root=study.out / "analysis", extra_html=extra),
                         log=lambda m: None)
-    tmp = out.with_name(".report.html.tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)
+    atomic_write_text(out, html)
     return out
 
 

@@ -22,13 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from remoe.lab.analysis.report_facts import num
+from remoe.lab.analysis.report_html import md_table
 from remoe.lab.study.spec import StudySpec
-
-
-def _fmt(v: Any, spec: str = ".4f") -> str:
-    if v is None or (isinstance(v, float) and not np.isfinite(v)):
-        return "–"
-    return format(v, spec)
 
 
 def total_flops(spec: StudySpec, name: str, flops_of: Callable[[str], float | None]
@@ -113,11 +109,10 @@ def markdown_section(spec: StudySpec, rows: list[dict[str, Any]],
         inact = (f"{c['inactive']} of {c['experts']}" if c.get("experts") is not None else "–")
         tot = total_flops(spec, r.name, flops_of)
         body.append([f"`{r.name}`", f"`{r.init_of}`" if r.init_of else "–",
-                     f"{_fmt(src_lm, '.3f')} → {_fmt(c.get('first_lm_loss'), '.3f')}",
-                     f"{_fmt(first[1])} (step {first[0]})" if first else "–",
-                     _fmt(c.get("val_loss")), _fmt(c.get("steps_to_target"), "d"),
-                     _fmt(c.get("final_sparsity"), ".3f"), inact, lam_txt,
-                     _fmt(tot, ".3g")])
+                     f"{num(src_lm, '.3f')} → {num(c.get('first_lm_loss'), '.3f')}",
+                     f"{num(first[1], '.4f')} (step {first[0]})" if first else "–",
+                     num(c.get("val_loss"), ".4f"), num(c.get("steps_to_target"), "d"),
+                     num(c.get("final_sparsity"), ".3f"), inact, lam_txt, num(tot, ".3g")])
     if not body:
         return []
     head = ["run", "from", "LM loss: source's last 20 → first step", "val loss, first eval",
@@ -127,6 +122,4 @@ def markdown_section(spec: StudySpec, rows: list[dict[str, Any]],
     return ["## Runs started from other runs' weights", "",
             "Per run with `init_from_run` (definitions: remoe.lab.study.continued). FLOPs incl. "
             "source: the run's training FLOPs plus its sources', the compute a from-scratch "
-            "run is matched against.", "",
-            "| " + " | ".join(head) + " |", "|" + " --- |" * len(head),
-            *("| " + " | ".join(b) + " |" for b in body), ""]
+            "run is matched against.", "", *md_table(head, body), ""]

@@ -21,12 +21,16 @@ crossover table, the gap at matched FLOPs).
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from remoe.fileio import atomic_open, atomic_write_text
+from remoe.lab.analysis.report_html import md_table
 
 
 @dataclass
@@ -130,15 +134,14 @@ def collect_curves(rows: list[dict[str, Any]], run_path) -> tuple[list[Curve], l
 
 
 def write_csv(path: Path, runs: list[Curve]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["run", "step", "tokens", "flops", "val_loss"])
-        for c in runs:
-            for i in range(c.step.size):
-                w.writerow([c.label, int(c.step[i]), f"{c.tokens[i]:.0f}", f"{c.flops[i]:.6g}",
-                            f"{c.val_loss[i]:.6f}"])
-    tmp.replace(path)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["run", "step", "tokens", "flops", "val_loss"])
+    for c in runs:
+        for i in range(c.step.size):
+            w.writerow([c.label, int(c.step[i]), f"{c.tokens[i]:.0f}", f"{c.flops[i]:.6g}",
+                        f"{c.val_loss[i]:.6f}"])
+    atomic_write_text(path, buf.getvalue())
     return path
 
 
@@ -176,10 +179,9 @@ def write_figure(path: Path, labels: list[Curve]) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig = figure(labels)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -216,7 +218,7 @@ def markdown_section(labels: list[Curve]) -> list[str]:
         idx = {s: i for i, s in enumerate(c.step.tolist())}
         body.append([f"`{c.label}`", str(c.seeds)]
                     + [f"{c.val_loss[idx[s]]:.3f}" if s in idx else "–" for s in steps])
-    lines += _table(head, body) + [""]
+    lines += md_table(head, body) + [""]
     lines += ["Crossovers: the first evaluation after which the row's run stays below the "
               "other (seed means; at matched tokens, and at matched training FLOPs with the "
               "other's curve interpolated). Gap: the row's loss minus the other's at the row's "
@@ -233,10 +235,5 @@ def markdown_section(labels: list[Curve]) -> list[str]:
         body.append([f"`{a.label}`", f"`{b.label}`", _when(ta, "tokens"),
                      f"{ta['gap_end']:+.3f}" if ta else "–", _when(fa, "flops"),
                      f"{fa['gap_end']:+.3f}" if fa else "–"])
-    lines += _table(head, body) + [""]
+    lines += md_table(head, body) + [""]
     return lines
-
-
-def _table(head: list[str], body: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-            + ["| " + " | ".join(r) + " |" for r in body])

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from remoe.lab.analysis.report_html import md_table
+
 #: (results.csv column, source key in remoe.lab.analysis.expertuse, table header, format)
 COLUMNS = [("use_experts_per_token", "experts_per_token", "experts / token", ".2f"),
            ("use_effective_experts", "effective_experts", "effective experts", ".1f"),
@@ -74,8 +76,6 @@ def markdown_section(entries: list[dict[str, Any]],
     if not body:
         return []
     head = ["run", "n", "layer"] + [h for _, _, h, _ in COLUMNS] + ["masks"]
-    table = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-    table += ["| " + " | ".join(r) + " |" for r in body]
     return (["## Expert use", "",
              "Per MoE layer, mean ± std over seeds. Experts per token, effective experts (exp of "
              "the entropy of the layer's load) and never-firing experts (no token in the step): "
@@ -83,4 +83,4 @@ def markdown_section(entries: list[dict[str, Any]],
              "`expert_counts`). No-expert share (tokens routed to no expert) and inactive "
              "experts (fewer than a quarter of the fair share k/E of the tokens) on the last "
              "recorded calibration masks. Definitions: docs/STUDY.md.", ""]
-            + table + [""])
+            + md_table(head, body) + [""])

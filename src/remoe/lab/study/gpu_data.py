@@ -26,6 +26,7 @@ import tarfile
 from pathlib import Path
 
 from remoe.errors import ConfigError
+from remoe.fileio import atomic_open
 from remoe.model.bundle import file_sha256
 
 #: the data section the CPU studies train on (configs/study/backbone.yaml): built-in corpus,
@@ -56,16 +57,15 @@ def pack_store(cache_dir: Path, pack_dir: Path, preset: int = 6) -> dict:
     bundle = load_prepared(cache_dir)  # a finished, intact store only
     store = Path(cache_dir) / STORE_DIR
     pack_dir.mkdir(parents=True, exist_ok=True)
-    tmp = pack_dir / f".{ARCHIVE}.tmp"
     files = sorted(p for p in store.rglob("*") if p.is_file())
-    with tarfile.open(tmp, "w:xz", preset=preset) as tar:
+    with atomic_open(pack_dir / ARCHIVE, "wb") as out, \
+            tarfile.open(fileobj=out, mode="w:xz", preset=preset) as tar:
         for p in files:
             info = tar.gettarinfo(str(p), arcname=str(p.relative_to(cache_dir)))
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
             info.mode = 0o644
             with open(p, "rb") as f:
                 tar.addfile(info, f)
-    os.replace(tmp, pack_dir / ARCHIVE)
     meta = {"schema": "remoe-gpu-study-data/1", "archive": ARCHIVE,
             "bytes": (pack_dir / ARCHIVE).stat().st_size, "sha256": file_sha256(pack_dir / ARCHIVE),
             "store_bytes": sum(p.stat().st_size for p in files), "data": STUDY_DATA,

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from remoe.fileio import atomic_open, atomic_write_text
+from remoe.lab.analysis.report_facts import is_number, num
 from remoe.lab.study import gpu_record
 from remoe.lab.study.curves import Curve, markdown_section
 
@@ -64,17 +66,13 @@ def run_row(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def curve_of(name: str, rec: dict[str, Any]) -> Curve | None:
-    pts = [e for e in rec.get("curve") or [] if _num(e.get("val_loss"))]
+    pts = [e for e in rec.get("curve") or [] if is_number(e.get("val_loss"))]
     if not pts:
         return None
     return Curve(name, np.asarray([e["step"] for e in pts]),
                  np.asarray([float(e["tokens"]) for e in pts]),
                  np.asarray([float(e.get("flops") or math.nan) for e in pts]),
                  np.asarray([float(e["val_loss"]) for e in pts]))
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def matched(curves: list[Curve], axis: str) -> tuple[float | None, dict[str, float]]:
@@ -85,10 +83,6 @@ def matched(curves: list[Curve], axis: str) -> tuple[float | None, dict[str, flo
     x = min(ends)
     return x, {c.label: float(np.interp(x, c.x(axis), c.val_loss)) for c in curves
                if np.isfinite(c.x(axis)).all() and c.x(axis)[0] <= x}
-
-
-def _f(v, fmt: str) -> str:
-    return format(v, fmt) if _num(v) else "–"
 
 
 def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
@@ -111,14 +105,14 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         f"{(summary.get('versions') or {}).get('torch')}); {st.get('precision')}, "
         f"{'compiled blocks' if st.get('compile') else 'eager'}; preset `{st.get('preset')}`, "
         f"E=8, k=1, sequence {st.get('seq_len')}. Study state: {summary.get('state')}, "
-        f"{_f(summary.get('elapsed_s'), '.0f')} s.", "",
+        f"{num(summary.get('elapsed_s'), '.0f')} s.", "",
         f"Data: the built-in corpus (the CPU studies' store, `{data.get('store')}`), "
         f"{data.get('tokenizer', 'BPE')}: vocabulary {data.get('tokenizer_vocab')} "
         f"(model embedding {data.get('model_vocab')} rows, padded to a multiple of 64), "
-        f"{_f((data.get('tokens') or {}).get('train'), ',')} training tokens. Not the paper's "
+        f"{num((data.get('tokens') or {}).get('train'), ',')} training tokens. Not the paper's "
         "data (the Pile) nor its tokenizer, so losses compare between our runs, not with the "
         "paper's in absolute value.", "",
-        f"Scale: {steps:,} steps of {seqs} sequences ({_f(tps, ',')} tokens per step), "
+        f"Scale: {steps:,} steps of {seqs} sequences ({num(tps, ',')} tokens per step), "
         f"{tokens:,} tokens per run"
         + (f" ({tokens / max(1, (data.get('tokens') or {}).get('train') or 1):.2f} epochs of "
            "the training split)" if tokens else "")
@@ -129,8 +123,8 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         "## Our runs", "",
         f"Validation loss: on the trainer's fixed sample ({st.get('eval_chunks')} sequences per "
         "domain) at the last evaluation, and on the whole validation split after the last "
-        f"step; matched tokens: at {_f(tok_x, ',.0f')} tokens; matched FLOPs: at "
-        f"{_f(flop_x, '.3g')} training FLOPs (each curve interpolated). Sparsity and effective "
+        f"step; matched tokens: at {num(tok_x, ',.0f')} tokens; matched FLOPs: at "
+        f"{num(flop_x, '.3g')} training FLOPs (each curve interpolated). Sparsity and effective "
         "experts (exp of the entropy of a layer's expert token shares; 8 = even) over the last "
         "10% of steps.", "",
         "| run | state | steps | tokens | train FLOPs | tokens/s | val (sample) | val (whole "
@@ -143,14 +137,14 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         state = r["state"] + (f" ({r['cut']})" if r.get("cut") else "") + (
             f" ({r['error'][:80]})" if r.get("error") else "")
         lines.append(
-            f"| {rec.get('label', name)} | {state} | {_f(r['steps'], ',')} "
-            f"| {_f(r['tokens'], ',')} | {_f(r['flops'], '.3g')} "
-            f"| {_f(r['tokens_per_s'], ',.0f')} | {_f(r['val_loss'], '.4f')} "
-            f"| {_f(r['whole_val_loss'], '.4f')} | {_f(at_tok.get(name), '.4f')} "
-            f"| {_f(at_flop.get(name), '.4f')} | {_f(r['sparsity_end'], '.3f')} "
-            f"({_f(r['target_sparsity'], '.3f')}) | {_f(r['effective_experts_mean'], '.2f')} "
-            f"| {_f(r['settling_step'], 'd')} | {_f((r['params_total'] or 0) / 1e6, '.1f')}M / "
-            f"{_f((r['params_active'] or 0) / 1e6, '.1f')}M |")
+            f"| {rec.get('label', name)} | {state} | {num(r['steps'], ',')} "
+            f"| {num(r['tokens'], ',')} | {num(r['flops'], '.3g')} "
+            f"| {num(r['tokens_per_s'], ',.0f')} | {num(r['val_loss'], '.4f')} "
+            f"| {num(r['whole_val_loss'], '.4f')} | {num(at_tok.get(name), '.4f')} "
+            f"| {num(at_flop.get(name), '.4f')} | {num(r['sparsity_end'], '.3f')} "
+            f"({num(r['target_sparsity'], '.3f')}) | {num(r['effective_experts_mean'], '.2f')} "
+            f"| {num(r['settling_step'], 'd')} | {num((r['params_total'] or 0) / 1e6, '.1f')}M / "
+            f"{num((r['params_active'] or 0) / 1e6, '.1f')}M |")
     for name, row in (summary.get("runs") or {}).items():
         if name not in rows and row.get("state") == "skipped":
             lines.append(f"| {row.get('label', name)} | skipped: {row.get('reason')} |"
@@ -158,7 +152,7 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     lines += ["", "Per layer at the end of each run (sparsity / effective experts):", ""]
     for name, r in rows.items():
         if r["layer_sparsity_end"]:
-            pairs = [f"{s_:.2f}/{e_:.1f}" if _num(s_) and _num(e_) else "–"
+            pairs = [f"{s_:.2f}/{e_:.1f}" if is_number(s_) and is_number(e_) else "–"
                      for s_, e_ in zip(r["layer_sparsity_end"], r["effective_experts_end"])]
             lines.append(f"- `{name}`: " + ", ".join(pairs))
     lines += ["", "## The paper's 182M models (E=8, k=1), quoted", "",
@@ -168,7 +162,7 @@ def markdown(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
               "here: no lm-eval on the device).", "",
               "| source (paper) | model | tokens | valid loss | zero-shot avg % |",
               "|---|---|---|---:|---:|"]
-    lines += [f"| {src} | {model} | {tok} | {_f(loss, '.3f')} | {_f(acc, '.2f')} |"
+    lines += [f"| {src} | {model} | {tok} | {num(loss, '.3f')} | {num(acc, '.2f')} |"
               for src, model, tok, loss, acc in PAPER]
     lines += ["", "The paper's gaps: ReMoE - MoE valid loss -0.015 (tab:topk_warmup); zero-shot "
               "+0.36 (Table 2) / +0.50 (tab:topk_warmup) points.", ""]
@@ -225,9 +219,7 @@ def write(src_dir: Path, out_dir: Path | None = None) -> list[Path]:
     summary = gpu_record.read_summary(src_dir)
     runs = gpu_record.read_runs(src_dir)
     md = out_dir / "gpu_study.md"
-    tmp = md.with_name(".gpu_study.md.tmp")
-    tmp.write_text(markdown(summary, runs))
-    tmp.replace(md)
+    atomic_write_text(md, markdown(summary, runs))
     written = [md]
     try:
         import matplotlib.pyplot as plt
@@ -235,8 +227,7 @@ def write(src_dir: Path, out_dir: Path | None = None) -> list[Path]:
         return written
     fig = figure(runs)
     png = out_dir / "gpu_study.png"
-    tmp = png.with_name(".gpu_study.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_open(png, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(png)
     return written + [png]

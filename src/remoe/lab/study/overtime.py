@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from remoe.lab.analysis.report_facts import num
+from remoe.lab.analysis.report_html import md_table
+
 
 def windows(run_dir: Path, n: int = 6) -> list[dict[str, Any]]:
     """Per window of steps: the figures of the module docstring ([] without metrics)."""
@@ -97,20 +100,13 @@ def markdown_section(rows: list[dict[str, Any]], source) -> list[str]:
                      "(< 1/4 of the fair share k/E of the calibration tokens, on the span's last "
                      "masks). "
                      "Definitions: remoe.lab.study.overtime.", ""]
-        lines += [f"`{row['name']}`:", "",
-                  "| steps | lr | lambda | penalty share | layer sparsity | dead / layer | "
-                  "inactive |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for w in ws:
-            lines.append("| " + " | ".join([
-                w["steps"], _g(w.get("lr"), ".2e"), _g(w.get("lambda"), ".2e"),
-                _g(w.get("reg_share"), ".3f"),
-                "/".join(f"{v:.3f}" for v in w.get("sparsity", [])) or "–",
-                "/".join(f"{v:.2f}" for v in w.get("dead", [])) or "–",
-                (f"{w['inactive']} (step {w['inactive_at']})" if "inactive" in w else "–")])
-                + " |")
-        lines.append("")
+        head = ["steps", "lr", "lambda", "penalty share", "layer sparsity", "dead / layer",
+                "inactive"]
+        body = [[w["steps"], num(w.get("lr"), ".2e"), num(w.get("lambda"), ".2e"),
+                 num(w.get("reg_share"), ".3f"),
+                 "/".join(f"{v:.3f}" for v in w.get("sparsity", [])) or "–",
+                 "/".join(f"{v:.2f}" for v in w.get("dead", [])) or "–",
+                 (f"{w['inactive']} (step {w['inactive_at']})" if "inactive" in w else "–")]
+                for w in ws]
+        lines += [f"`{row['name']}`:", "", *md_table(head, body), ""]
     return lines
-
-
-def _g(v: Any, spec: str) -> str:
-    return "–" if v is None or (isinstance(v, float) and not np.isfinite(v)) else f"{v:{spec}}"

@@ -39,12 +39,16 @@ Aggregation: rows with the same (group, label) over seeds; mean ± sample standa
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from remoe.fileio import atomic_write_text
+from remoe.lab.analysis.report_facts import is_number
+from remoe.lab.analysis.report_html import md_table
 from remoe.lab.analysis.runlog import run_has, run_json
 from remoe.lab.study.spec import StudySpec
 
@@ -58,10 +62,6 @@ RELU_NUMERIC = [("settle_step", "settle step", ".0f"), ("flops_to_settle", "FLOP
                 ("lambda_log10_amp", "lambda log10 amp. (III)", ".2f"),
                 ("lambda_log10_amp_late", "lambda log10 amp. (2nd half)", ".2f"),
                 ("dead_per_layer_late", "dead experts / layer / step (2nd half)", ".2f")]
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def routed_ratio(run, target_sparsity: float | None) -> tuple[np.ndarray | None, str | None]:
@@ -107,7 +107,7 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
         series = [list(col) for col in zip(*layered)]
     else:
         series = [[r.get("lambda") for r in after]]
-    amps = [log10_span(x) for x in (np.asarray([v for v in s if _finite(v) and v > 0], float)
+    amps = [log10_span(x) for x in (np.asarray([v for v in s if is_number(v) and v > 0], float)
                                     for s in series) if x.size >= 2]
     return max(amps) if amps else None
 
@@ -174,7 +174,7 @@ def full_split_loss(run_dir: Path) -> float | None:
         v = run_json(run_dir, "eval_results.json")["models"][0]["loss"]["loss"]
     except (KeyError, IndexError, TypeError):
         return None
-    return float(v) if _finite(v) else None
+    return float(v) if is_number(v) else None
 
 
 def zero_shot_row(run_dir: Path) -> dict[str, float]:
@@ -188,7 +188,7 @@ def zero_shot_row(run_dir: Path) -> dict[str, float]:
     out = {}
     for task, header, metric in columns:
         v = (model.get("zero_shot") or {}).get(task, {}).get(metric)
-        if _finite(v):
+        if is_number(v):
             out[f"zs:{header}"] = 100.0 * float(v)
     if out:
         out["zs:avg"] = float(np.mean(list(out.values())))
@@ -238,19 +238,18 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
         keys += [k for k in row if k not in keys]
     # the expert-use columns last, whatever row brought them (the others keep their places)
     keys = [k for k in keys if not k.startswith("use_")] + [k for k in keys if k.startswith("use_")]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
-    tmp.replace(path)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
+    atomic_write_text(path, buf.getvalue())
     return path
 
 
 def mean_std(values: list[Any]) -> tuple[float | None, float | None, int]:
     """Mean and sample std (n - 1) of the finite values; std None when n < 2."""
-    x = np.asarray([v for v in values if _finite(v)], dtype=np.float64)
+    x = np.asarray([v for v in values if is_number(v)], dtype=np.float64)
     if x.size == 0:
         return None, None, 0
     return float(x.mean()), (float(x.std(ddof=1)) if x.size >= 2 else None), int(x.size)
@@ -275,11 +274,6 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if row.get("state") == "done":
             e["rows"].append(row)
     return list(out.values())
-
-
-def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in body]
 
 
 def _settles(row: dict[str, Any]) -> bool:
@@ -318,14 +312,14 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
             body.append([f"`{e['label']}`", f"{len(rs)}/{e['seeds']}"]
                         + [fmt_mean_std([r.get(k) for r in rs], f) for k, _, f in numeric]
                         + [fmt_mean_std([r.get(d) for r in rs], ".3f") for d in domains])
-        lines += _md_table(head, body) + [""]
+        lines += md_table(head, body) + [""]
         if zero_shot:
             lines += ["Zero-shot accuracy (%, `remoe eval --tasks`; * = built from the held-out "
                       "split):", ""]
-            lines += _md_table(["run", "n"] + [k[3:] for k in zero_shot],
-                               [[f"`{e['label']}`", f"{len(e['rows'])}/{e['seeds']}"]
-                                + [fmt_mean_std([r.get(k) for r in e["rows"]], ".1f")
-                                   for k in zero_shot] for e in ges]) + [""]
+            lines += md_table(["run", "n"] + [k[3:] for k in zero_shot],
+                              [[f"`{e['label']}`", f"{len(e['rows'])}/{e['seeds']}"]
+                               + [fmt_mean_std([r.get(k) for r in e["rows"]], ".1f")
+                                  for k in zero_shot] for e in ges]) + [""]
         if relu:
             head = ["run", "n"] + [h for _, h, _ in RELU_NUMERIC] + ["layer sparsity (mean of seeds)",
                                                                      "inactive from"]
@@ -345,10 +339,10 @@ def markdown(spec: StudySpec, rows: list[dict[str, Any]], out: Path) -> str:
                                + (f" (of {total})" if total else "")])
             lines += ["Sparsity control (runs whose sparsity varies: ReLU, threshold routers; "
                       "after settling):", ""]
-            lines += _md_table(head, body) + [""]
+            lines += md_table(head, body) + [""]
         lines += ["<details><summary>runs of this group</summary>", ""]
-        lines += _md_table(["run", "overrides", "stop"],
-                           [[f"`{e['label']}`", e["overrides"] or "–", e["stop"]] for e in ges])
+        lines += md_table(["run", "overrides", "stop"],
+                          [[f"`{e['label']}`", e["overrides"] or "–", e["stop"]] for e in ges])
         lines += ["", "</details>", ""]
     pending = [r for r in rows if r.get("state") != "done"]
     if pending:
@@ -388,9 +382,7 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
         public = [{k: v for k, v in row.items() if k != "source"} for row in rows]
         p_csv = write_csv(d / "results.csv", public)
         p_md = d / "results.md"
-        tmp = p_md.with_name(".results.md.tmp")
-        tmp.write_text(text)
-        tmp.replace(p_md)
+        atomic_write_text(p_md, text)
         if run_curves:
             curves.write_csv(d / "curves.csv", run_curves)
             curves.write_figure(d / "curves.png", label_curves)
