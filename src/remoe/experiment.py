@@ -95,6 +95,10 @@ class TrainConfig:
     # once); chunked, each chunk's logits are recomputed in backward, so the fp32 logits of the
     # micro-batch never exist at once (remoe.model.losses.chunked_lm_loss)
     loss_chunk_tokens: int = 0
+    # the LM head + cross-entropy of a training forward compiled as one function (inductor
+    # fuses the fp32 upcast, softmax and gather, forward and backward; no logits returned;
+    # remoe.model.losses.lm_loss); not with loss_chunk_tokens > 0
+    compile_loss: bool = False
     # copy each micro-batch to the GPU from pinned host memory, asynchronously (CUDA only)
     pin_memory: bool = False
     # read the next micro-batch and issue its copy before computing this one (CUDA: on a side
@@ -194,9 +198,12 @@ class TrainConfig:
                                                                          bool)
               and self.loss_chunk_tokens >= 0,
               f"train.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0")
-        for name in ("pin_memory", "prefetch", "cast_experts_once"):
+        for name in ("pin_memory", "prefetch", "cast_experts_once", "compile_loss"):
             check(isinstance(getattr(self, name), bool),
                   f"train.{name}={getattr(self, name)!r} must be true or false")
+        check(not (self.compile_loss and self.loss_chunk_tokens),
+              "train.compile_loss=true and train.loss_chunk_tokens > 0 both replace the LM head "
+              "and loss of a training forward: choose one")
         check(not (self.cast_experts_once and self.fsdp),
               "train.cast_experts_once=true does not apply with train.fsdp=true (FSDP's "
               "mixed-precision policy casts the experts when it gathers them)")

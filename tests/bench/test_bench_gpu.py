@@ -81,4 +81,7 @@ def test_kernel_categories_and_busy_time():
 def test_head_loss_whole_and_chunked_on_cpu():
     whole = gpu.head_loss(torch.device("cpu"), 16, 300, 64, reps=1, precision="fp32")
     chunked = gpu.head_loss(torch.device("cpu"), 16, 300, 64, chunk=16, reps=1, precision="fp32")
+    compiled = gpu.head_loss(torch.device("cpu"), 16, 300, 64, reps=1, precision="fp32",
+                             compiled=True)
     assert whole["ms"] > 0 and chunked["ms"] > 0 and chunked["chunk"] == 16
+    assert compiled["ms"] > 0 and compiled["compiled"] and not whole["compiled"]

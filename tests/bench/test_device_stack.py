@@ -143,9 +143,10 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
     stages = check["stages"]
     assert {"env", "bf16_check", "head_loss", "table"} <= set(stages)
     assert stages["env"]["versions"]["torch"] == torch.__version__  # the torch this test runs
-    assert [h["chunk"] for h in stages["head_loss"]] == [0, 4096], stages["head_loss"]
+    assert [(h["chunk"], h["compiled"]) for h in stages["head_loss"]] == [
+        (0, False), (4096, False), (0, True)], stages["head_loss"]
     rows = {k: v for k, v in stages.items() if isinstance(v, dict) and "router" in v}
-    assert len(rows) == 15, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
+    assert len(rows) == 17, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
     for name, row in rows.items():
         exact = row["plan"] == "exact"
         assert row["syncs_backward"] == 0 and row["syncs_step"] == 1, (name, row["syncs_report"])
@@ -170,8 +171,9 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
                 assert (sum(ms for _, ms in names)
                         <= row["profile"]["by_category_ms"][cat] + 5e-4 * len(names))
     assert sum(r["step_options"] == ["prefetch", "cast_experts_once"] for r in rows.values()) == 2
+    assert sum(r["step_options"] == ["compile_loss"] for r in rows.values()) == 2
     ratios = check["relu_vs_topk"]
-    assert len(ratios) == 7 and all(q["pair_ratio"] > 0 for q in ratios), ratios
+    assert len(ratios) == 8 and all(q["pair_ratio"] > 0 for q in ratios), ratios
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

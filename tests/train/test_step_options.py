@@ -1,6 +1,7 @@
 """The GPU step's options, proven on CPU: AdamW's fused kernel against foreach (the same update
 within float rounding), the chunked LM head + loss against the whole-batch one (loss and
-gradients equal, the logits never whole), and their config checks. None changes the default."""
+gradients equal, the logits never whole), the compiled LM head + loss (one graph, the eager
+loss), and their config checks. None changes the default."""
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_chunked_loss_never_holds_the_whole_logits():
     assert h.grad is not None and w.grad is not None
 
 
-def test_step_option_checks():
+def test_loss_chunk_and_pin_memory_checks():
     for bad, field in (("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
                        ("train.pin_memory=maybe", "train.pin_memory")):
         with pytest.raises(ConfigError, match=field):
@@ -91,7 +92,49 @@ def test_step_option_checks():
     assert tc.loss_chunk_tokens == 0 and tc.pin_memory is False
 
 
-def _trained(tmp_path, name, extra, steps=3):
+def _loss_and_grads(model, ids, labels):
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def test_compiled_loss_is_one_graph_and_the_eager_loss():
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = ReMoEForCausalLM(ReMoEConfig.from_preset("micro", router="topk"))
+    ids = torch.randint(0, 512, (3, 21))
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    eager, g0 = _loss_and_grads(model, ids, labels)
+    counter = CompileCounter()  # dynamo's graphs, run as traced: the eager ops
+    model.compile_lm_loss(backend=counter)
+    out, g1 = _loss_and_grads(model, ids, labels)
+    _loss_and_grads(model, ids, labels)
+    assert out.logits is None and eager.logits is not None
+    assert counter.frame_count == 1, counter.frame_count  # one graph, no break, no recompile
+    assert torch.equal(out.loss, eager.loss) and all(map(torch.equal, g0, g1))
+    model.compile_lm_loss()  # inductor: fused kernels, another order of the sums
+    out, g2 = _loss_and_grads(model, ids, labels)
+    assert torch.allclose(out.loss, eager.loss, rtol=1e-6, atol=0), (out.loss, eager.loss)
+    for g, ref in zip(g2, g0):
+        assert float((g - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) + 1e-12
+
+
+def test_compile_loss_in_the_trainer(tmp_path):
+    """``train.compile_loss=true``: the trainer's model computes its loss compiled; the first
+    step's loss is the eager one up to float rounding."""
+    seen = []
+    base, _ = _trained(tmp_path, "base", [], steps=1, probe=seen.append)
+    recs, _ = _trained(tmp_path, "compiled", ["train.compile_loss=true"], steps=1,
+                       probe=seen.append)
+    assert [t.model.compiled_lm_loss is not None for t in seen] == [False, True]
+    assert abs(recs[0]["lm_loss"] - base[0]["lm_loss"]) <= 1e-6 * base[0]["lm_loss"]
+
+
+def _trained(tmp_path, name, extra, steps=3, probe=None):
     from remoe.lab.bench.syncs import SyntheticData, close_trainer, step_config
     from remoe.train.trainer import Trainer
 
@@ -100,6 +143,8 @@ def _trained(tmp_path, name, extra, steps=3):
     t = Trainer(cfg, progress=False, data=SyntheticData())
     try:
         recs = [t.train_step() for _ in range(steps)]
+        if probe is not None:
+            probe(t)
         return recs, [p.detach().clone() for p in t.model.parameters()]
     finally:
         close_trainer(t)
@@ -121,9 +166,11 @@ def test_step_options_leave_the_step_unchanged(tmp_path, option, extra):
 
 def test_step_option_checks():
     cfg = load_config(None, [])
-    assert not cfg.train.prefetch and not cfg.train.cast_experts_once  # the default step
-    for name in ("prefetch", "cast_experts_once"):
+    assert not (cfg.train.prefetch or cfg.train.cast_experts_once or cfg.train.compile_loss)
+    for name in ("prefetch", "cast_experts_once", "compile_loss"):
         with pytest.raises(ConfigError, match=f"train.{name}"):
             load_config(None, [f"train.{name}=3"])
     with pytest.raises(ConfigError, match="train.cast_experts_once"):
         load_config(None, ["train.cast_experts_once=true", "train.fsdp=true"])
+    with pytest.raises(ConfigError, match="train.compile_loss=true and train.loss_chunk_tokens"):
+        load_config(None, ["train.compile_loss=true", "train.loss_chunk_tokens=64"])

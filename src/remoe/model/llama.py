@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover - older transformers: a plain module, no
 
 from remoe.model.config import ReMoEConfig
 from remoe.model import registry
-from remoe.model.losses import chunked_lm_loss, layer_sparsity_of, sparsity_of
+from remoe.model.losses import (chunked_lm_loss, layer_sparsity_of, lm_loss, next_token_loss,
+                                sparsity_of)
 from remoe.model.moe import LayerAux, MoEConfig, MoELayer, build_ffn
 from remoe.model.routers.base import RouterContext
 from remoe.model.spec import BackboneConfig, ModelSpec
@@ -279,7 +280,14 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         self.norm = RMSNorm(b.hidden_size, b.rms_norm_eps)
         self.lm_head = nn.Linear(b.hidden_size, b.vocab_size, bias=False)
         self.rope = (b.head_dim, b.rope_theta)  # rotary width and base (rope_cos_sin)
+        self.compiled_lm_loss = None  # train.compile_loss (compile_lm_loss)
         self.post_init()
+
+    def compile_lm_loss(self, **options) -> None:
+        """A forward with ``labels`` now runs the LM head + loss as one compiled function
+        (:func:`remoe.model.losses.lm_loss`) and returns no logits; weights and state dict
+        unchanged, the loss equal up to the order of the sums."""
+        self.compiled_lm_loss = torch.compile(lm_loss, **options)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -333,7 +341,8 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         ``capacity`` (training on a GPU): per MoE layer, the pair capacity of its on-device
         dispatch plan (``RouterContext.capacity``; remoe.train.control.CapacityPlan).
         ``loss_chunk_tokens`` (with ``labels``): the LM head and loss over chunks of this many
-        tokens (:func:`chunked_lm_loss`; ``logits`` is then None); 0: the whole batch.
+        tokens (:func:`chunked_lm_loss`; ``logits`` is then None); 0: the whole batch, compiled
+        after :meth:`compile_lm_loss` (``logits`` None too).
         The KV cache comes as ``past_key_values=`` (transformers < 5.24) or ``cache=``
         (5.24 on); a dynamic cache only (:func:`_check_cache`).
         ``output_hidden_states``: the embeddings and every block's output, the last one after
@@ -378,19 +387,14 @@ class ReMoEForCausalLM(ReMoEPreTrainedModel, GenerationMixin):
         num_items = kwargs.get("num_items_in_batch")
         if labels is not None and loss_chunk_tokens and not logits_to_keep:
             loss = chunked_lm_loss(x, self.lm_head.weight, labels, loss_chunk_tokens, num_items)
+        elif labels is not None and self.compiled_lm_loss is not None and not logits_to_keep:
+            loss = self.compiled_lm_loss(x, self.lm_head.weight, labels, num_items)
         else:
             if logits_to_keep:
                 x = x[:, -logits_to_keep:]
             logits = self.lm_head(x)
-        if labels is not None and logits is not None and num_items is None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100)
-        elif labels is not None and logits is not None:  # transformers' Trainer: the sum over
-            # the tokens of this micro-batch / the predicted tokens of the whole accumulated
-            # batch (all ranks)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100,
-                                   reduction="sum") / num_items
+        if labels is not None and logits is not None:
+            loss = next_token_loss(logits, labels, num_items)
         out = ReMoEOutput(loss=loss, logits=logits, **{_CACHE_FIELD: cache},
                           hidden_states=tuple(hidden) if output_hidden_states else None,
                           aux=self._collect_aux(layer_aux, B * S, input_ids.device))

@@ -60,6 +60,26 @@ def _lm_loss_sum(h_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> Tensor:
                            reduction="sum")
 
 
+def next_token_loss(logits_BSV: Tensor, labels_BS: Tensor,
+                    num_items: Tensor | int | None = None) -> Tensor:
+    """The causal LM loss of ``logits_BSV``: fp32 cross-entropy of every position but the last
+    against the next label (-100 ignored); the mean, or the sum over ``num_items`` (the
+    predicted tokens of a whole accumulated batch, as transformers' Trainer asks)."""
+    V = logits_BSV.shape[-1]
+    logits_TV, y_T = logits_BSV[:, :-1].reshape(-1, V).float(), labels_BS[:, 1:].reshape(-1)
+    if num_items is None:
+        return F.cross_entropy(logits_TV, y_T, ignore_index=-100)
+    return F.cross_entropy(logits_TV, y_T, ignore_index=-100, reduction="sum") / num_items
+
+
+def lm_loss(h_BSD: Tensor, weight_VD: Tensor, labels_BS: Tensor,
+            num_items: Tensor | int | None = None) -> Tensor:
+    """:func:`next_token_loss` of the LM head's logits of the final hidden states ``h_BSD``:
+    what ``train.compile_loss`` compiles as one function (``ReMoEForCausalLM.compile_lm_loss``;
+    inductor fuses the upcast, the softmax and the gather, forward and backward)."""
+    return next_token_loss(F.linear(h_BSD, weight_VD), labels_BS, num_items)
+
+
 def chunked_lm_loss(h_BSD: Tensor, weight_VD: Tensor, labels_BS: Tensor, chunk: int,
                     num_items: Tensor | int | None = None) -> Tensor:
     """The causal LM loss of the final hidden states ``h_BSD`` under the LM head ``weight_VD``,

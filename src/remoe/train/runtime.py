@@ -142,12 +142,14 @@ def start_model(cfg, data, sampler, device: torch.device, info: DistInfo, resume
 def lay_out(model: torch.nn.Module, tc, model_cfg, rt: Runtime):
     """``(ep, fsdp)``, each None when off: ``model`` laid out in place, this rank's slice of the
     experts (``train.expert_parallel``), the dispatch plan (``train.dispatch_plan``), each
-    decoder block compiled (``train.compile``, before FSDP), FSDP2 over the blocks and the root
-    (``train.fsdp``)."""
+    decoder block compiled (``train.compile``, before FSDP), the LM head + loss compiled
+    (``train.compile_loss``), FSDP2 over the blocks and the root (``train.fsdp``)."""
     ep = setup_expert_parallel(model, tc, model_cfg, rt.dist)
     set_dispatch_plan(model, rt.dispatch_plan)
     if tc.compile:
         compile_blocks(model)
+    if tc.compile_loss:
+        model.compile_lm_loss()
     fsdp = (shard_model(model, rt.device, ep, rt.autocast_dtype is not None) if tc.fsdp
             else None)
     return ep, fsdp

@@ -313,12 +313,14 @@ def profile_step(t, device: torch.device) -> dict:
 
 
 def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
-              chunk: int = 0, reps: int = 5, precision: str = "bf16") -> dict:
+              chunk: int = 0, reps: int = 5, precision: str = "bf16",
+              compiled: bool = False) -> dict:
     """The LM head + loss alone at a step's shape (``tokens`` positions of width ``hidden``):
     forward and backward time (best of ``reps``) and, on CUDA, the peak memory above its inputs;
-    ``chunk`` > 0: :func:`remoe.model.losses.chunked_lm_loss`. What the rest of the step pays
-    for the logits, measured apart."""
-    from remoe.model.losses import chunked_lm_loss
+    ``chunk`` > 0: :func:`remoe.model.losses.chunked_lm_loss`; ``compiled``: the whole batch's
+    :func:`remoe.model.losses.lm_loss` under ``torch.compile`` (``train.compile_loss``). What
+    the rest of the step pays for the logits, measured apart."""
+    from remoe.model.losses import chunked_lm_loss, lm_loss
 
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(1, tokens + 1, hidden, generator=g).to(device).requires_grad_(True)
@@ -326,10 +328,14 @@ def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
     y = torch.randint(0, vocab, (1, tokens + 1), generator=g).to(device)
     ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
+    fn = torch.compile(lm_loss) if compiled else None
+
     def run():
         with ac:
             if chunk:
                 loss = chunked_lm_loss(h, w, y, chunk)
+            elif fn is not None:
+                loss = fn(h, w, y)
             else:
                 logits = torch.nn.functional.linear(h[:, :-1], w)
                 loss = torch.nn.functional.cross_entropy(
@@ -352,7 +358,7 @@ def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
     peak = ((torch.cuda.max_memory_allocated(device) - base) / 2**30
             if device.type == "cuda" else None)
     return {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk": chunk,
-            "ms": 1e3 * best, "peak_extra_gib": peak}
+            "compiled": compiled, "ms": 1e3 * best, "peak_extra_gib": peak}
 
 
 class _GroupedMMDtypes(TorchDispatchMode):

@@ -7,14 +7,15 @@ of what matters if the run is cut off:
 1. ``env``: Python / torch / CUDA / triton / transformers versions, the device, its
    data-sheet bf16 peak (:data:`remoe.lab.bench.gpu.PEAK_BF16_TFLOPS`) and a measured bf16 matmul;
 2. ``bf16_check``: bf16 autocast vs fp32 loss and gradient (:func:`remoe.lab.bench.gpu.loss_check`);
-3. ``head_loss``: the LM head + cross-entropy alone at the step's micro-batch shape, whole and
-   chunked (``train.loss_chunk_tokens``): time and peak memory;
+3. ``head_loss``: the LM head + cross-entropy alone at the step's micro-batch shape, whole,
+   chunked (``train.loss_chunk_tokens``) and compiled (``train.compile_loss``): time and peak
+   memory;
 4. one stage per row of :data:`ROWS`, the realistic step first: dense / TopK / ReLU at the
    ``small`` preset (E=8, k=1, sequence 1024), each decoder block compiled (inductor), 64
    sequences per optimizer step (the paper's per-GPU share of its 512 x 1024 batch on 8 GPUs:
    micro batch 16 x 4, then 32 x 2), ReLU on the capacity plan (no sync, no graph break) and
-   on the exact plan (``nonzero``) with and without dynamo capturing it, then fused AdamW and
-   the chunked loss: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, (token, expert) pairs
+   on the exact plan (``nonzero``) with and without dynamo capturing it, then fused AdamW,
+   the chunked loss and the compiled loss: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, (token, expert) pairs
    per token (ReLU calibrated on the very batches timed: TopK's count), MFU against the data
    sheet and the measured matmul, peak memory, host syncs per step, and for the first rows a
    profile of one step by kernel category. The table compares every ReLU row with its TopK
@@ -61,6 +62,8 @@ ROWS = (
     _row("dense", adamw="fused", chunk=4096),
     _row("topk", 32, 2, adamw="fused"), _row("relu", 32, 2, adamw="fused"),
     _row("dense", 32, 2, adamw="fused"),
+    _row("topk", 32, 2, adamw="fused", step=("compile_loss",)),
+    _row("relu", 32, 2, adamw="fused", step=("compile_loss",)),
     _row("relu", adamw="fused", step=("prefetch", "cast_experts_once")),
     _row("topk", adamw="fused", step=("prefetch", "cast_experts_once")),
 )
@@ -134,9 +137,11 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         tokens = rows[0]["micro_batch"] * seq_len if rows else seq_len
         v = vocab or gpu.GPT2_VOCAB
         head = [gpu.head_loss(device, hidden, v, tokens, chunk=c) for c in (0, 4096)]
+        head.append(gpu.head_loss(device, hidden, v, tokens, compiled=True))
         rec.save("head_loss", head)
         rec.log("[head_loss] " + "; ".join(
-            f"{'chunk ' + str(h['chunk']) if h['chunk'] else 'whole'}: {h['ms']:.1f} ms, peak +"
+            f"{'chunk ' + str(h['chunk']) if h['chunk'] else 'whole'}"
+            f"{' compiled' if h.get('compiled') else ''}: {h['ms']:.1f} ms, peak +"
             f"{h['peak_extra_gib'] or 0:.2f} GiB" for h in head))
     except Exception as e:
         rec.save("head_loss", {"error": _error(e)})
