@@ -289,6 +289,12 @@ class Run:
         return (step, masks_LTN) if masks_LTN.shape[1] > 0 else None
 
 
+def as_run(run: "Run | str | Path") -> "Run":
+    """``run`` itself, or the :class:`Run` of a run directory: what a study table reads, opened
+    once per table build and handed to each of its sections (each reads the metrics once)."""
+    return run if isinstance(run, Run) else Run(run)
+
+
 @dataclass(frozen=True)
 class MaskFile:
     """One recorded ``masks_<step>.npz``: a file, or a ``member`` of a ``run.zip``."""

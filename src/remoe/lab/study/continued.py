@@ -17,7 +17,6 @@ For every finished run with an ``init_from.json`` (:mod:`remoe.train.init_from`)
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -41,15 +40,15 @@ def total_flops(spec: StudySpec, name: str, flops_of: Callable[[str], float | No
     return total
 
 
-def continued_row(run_dir: Path) -> dict[str, Any]:
+def continued_row(run_dir) -> dict[str, Any]:
     """The figures of the module docstring for one finished run directory (or its committed
     copy)."""
     from remoe.lab.analysis.inactive import inactive_threshold
-    from remoe.lab.analysis.runlog import Run, load_masks, run_json
+    from remoe.lab.analysis.runlog import as_run, load_masks, run_json
     from remoe.method.stages import detect_stages
 
-    rec = run_json(run_dir, "init_from.json") or {}
-    run = Run(run_dir)
+    run = as_run(run_dir)  # a Run or its directory
+    rec = run_json(run.path, "init_from.json") or {}
     m = run.metrics
     row: dict[str, Any] = {"lambda_start": rec.get("lambda_start"),
                            "lambda_rule": rec.get("lambda_rule"),
@@ -75,15 +74,15 @@ def continued_row(run_dir: Path) -> dict[str, Any]:
     return row
 
 
-def source_lm_loss(run_dir: Path, last: int = 20) -> float | None:
-    from remoe.lab.analysis.runlog import Run
+def source_lm_loss(run_dir, last: int = 20) -> float | None:
+    from remoe.lab.analysis.runlog import as_run
 
-    m = Run(run_dir).metrics
+    m = as_run(run_dir).metrics  # a Run or its directory
     return float(np.mean(m["lm_loss"][-last:])) if len(m) else None
 
 
 def markdown_section(spec: StudySpec, rows: list[dict[str, Any]],
-                     source_of: Callable[[dict[str, Any]], Path]) -> list[str]:
+                     source_of: Callable[[dict[str, Any]], Any]) -> list[str]:
     """The "Runs started from other runs" section ([] when the spec has none finished)."""
     by_row = {row["name"]: row for row in rows}
     done = {n: row for n, row in by_row.items() if row.get("state") == "done"}

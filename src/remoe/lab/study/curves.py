@@ -50,11 +50,11 @@ class Curve:
         return self.tokens if axis == "tokens" else self.flops
 
 
-def run_curve(run_dir: Path, label: str = "") -> Curve | None:
-    """The validation curve of one run directory (None without evaluations)."""
-    from remoe.lab.analysis.runlog import Run
+def run_curve(run_dir, label: str = "") -> Curve | None:
+    """The validation curve of one run (a Run or its directory; None without evaluations)."""
+    from remoe.lab.analysis.runlog import as_run
 
-    run = Run(run_dir)
+    run = as_run(run_dir)
     evals = [e for e in run.evals if isinstance(e.get("val_loss"), (int, float))]
     if not evals:
         return None

@@ -8,7 +8,6 @@ the seeds of each (group, label), every routed run (TopK beside ReMoE) in spec o
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 from remoe.lab.analysis.report_html import md_table
@@ -22,12 +21,12 @@ COLUMNS = [("use_experts_per_token", "experts_per_token", "experts / token", ".2
 PERCENT = {"use_no_expert_share"}
 
 
-def expert_use_row(run_dir: Path) -> dict[str, Any]:
+def expert_use_row(run_dir) -> dict[str, Any]:
     """The ``use_*`` columns of one finished run ({} for a run without routed experts)."""
     from remoe.lab.analysis.expertuse import layer_rows, run_expert_use
-    from remoe.lab.analysis.runlog import Run
+    from remoe.lab.analysis.runlog import as_run
 
-    use = run_expert_use(Run(run_dir))
+    use = run_expert_use(as_run(run_dir))  # a Run or its directory
     if use is None:
         return {}
     rows = layer_rows(use)

@@ -20,7 +20,6 @@ inactive experts of TopK stand beside ReLU's.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,12 @@ from remoe.lab.analysis.report_facts import num
 from remoe.lab.analysis.report_html import md_table
 
 
-def windows(run_dir: Path, n: int = 6) -> list[dict[str, Any]]:
+def windows(run_dir, n: int = 6) -> list[dict[str, Any]]:
     """Per window of steps: the figures of the module docstring ([] without metrics)."""
     from remoe.lab.analysis.inactive import inactive_threshold
-    from remoe.lab.analysis.runlog import Run, load_masks
+    from remoe.lab.analysis.runlog import as_run, load_masks
 
-    run = Run(run_dir)
+    run = as_run(run_dir)  # a Run or its directory
     m = run.metrics
     if not len(m):
         return []
@@ -82,7 +81,7 @@ def windows(run_dir: Path, n: int = 6) -> list[dict[str, Any]]:
 
 
 def markdown_section(rows: list[dict[str, Any]], source) -> list[str]:
-    """One table per finished routed run: its windows (``source(row)``: its directory)."""
+    """One table per finished routed run: its windows (``source(row)``: its Run or directory)."""
     lines: list[str] = []
     for row in rows:
         if row.get("state") != "done" or row.get("target_sparsity") is None:

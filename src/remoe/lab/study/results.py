@@ -112,13 +112,14 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
     return max(amps) if amps else None
 
 
-def run_row(run_dir: Path) -> dict[str, Any]:
-    """The numbers of one finished run (see the module docstring)."""
+def run_row(run_dir) -> dict[str, Any]:
+    """The numbers of one finished run (a Run or its directory; see the module docstring)."""
     from remoe.lab.analysis.inactive import inactive_threshold
-    from remoe.lab.analysis.runlog import Run
+    from remoe.lab.analysis.runlog import as_run
     from remoe.method.stages import detect_stages
 
-    run = Run(run_dir)
+    run = as_run(run_dir)
+    run_dir = run.path
     s = run.summary
     row: dict[str, Any] = {k: s.get(k) for k in ("steps", "tokens", "flops", "router")}
     row["train_s"] = s.get("elapsed_s")
@@ -206,9 +207,12 @@ def run_source(spec: StudySpec, runs_dir: Path, name: str) -> Path:
     return committed_dir(spec.results_dir, name) or d
 
 
-def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None,
+            opened: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per run of the spec: its identity, its state, and its numbers when finished
-    (read from its directory, else from its committed copy)."""
+    (read from its directory, else from its committed copy); ``opened`` collects each finished
+    row's :class:`~remoe.lab.analysis.runlog.Run` by its ``source``."""
+    from remoe.lab.analysis.runlog import Run
     from remoe.lab.study.archive import run_state
     from remoe.lab.study.expertuse import expert_use_row
 
@@ -223,9 +227,12 @@ def collect(spec: StudySpec, runs_dir: Path, state: dict[str, Any] | None = None
         if run_has(d, "summary.json"):  # trained (zero-shot columns may still be pending)
             row["state"] = "done"
             row["source"] = str(d)
-            row.update(run_row(d))
+            run = Run(d)
+            if opened is not None:
+                opened[row["source"]] = run
+            row.update(run_row(run))
             row["wall_s"] = st.get("total_wall_s") or run_state(d).get("total_wall_s") or None
-            row.update(expert_use_row(d))
+            row.update(expert_use_row(run))
         else:
             row["state"] = st.get("state") if st.get("state") not in (None, "done") else "pending"
         rows.append(row)
@@ -357,20 +364,25 @@ def write_results(spec: StudySpec, out: Path, state: dict[str, Any] | None) -> t
     with ``results:``, the same files into that directory beside the committed runs."""
     from remoe.lab.study import curves, expertuse
 
-    rows = collect(spec, (out / "runs").resolve(), state)
-    run_curves, label_curves = curves.collect_curves(rows, lambda row: Path(row["source"]))
+    opened: dict[str, Any] = {}  # each finished run read once, for every section
+    rows = collect(spec, (out / "runs").resolve(), state, opened)
+
+    def run_of(row):
+        return opened[row["source"]]
+
+    run_curves, label_curves = curves.collect_curves(rows, run_of)
     text = markdown(spec, rows, out)
     if label_curves:
         text += "\n" + "\n".join(curves.markdown_section(label_curves)) + "\n"
         from remoe.lab.study import overtime
 
-        over = overtime.markdown_section(rows, lambda row: Path(row["source"]))
+        over = overtime.markdown_section(rows, run_of)
         if over:
             text += "\n" + "\n".join(over) + "\n"
     if any(r.init_of for r in spec.runs):
         from remoe.lab.study import continued
 
-        cont = continued.markdown_section(spec, rows, lambda row: Path(row["source"]))
+        cont = continued.markdown_section(spec, rows, run_of)
         if cont:
             text += "\n" + "\n".join(cont) + "\n"
     use = expertuse.markdown_section(aggregate(rows), fmt_mean_std)
