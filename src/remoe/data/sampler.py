@@ -109,7 +109,6 @@ class TrainBatches:
         return step * self.samples_per_step / self.num_chunks
 
 
-
 def device_batches(sampler, step: int, rank: int, grad_accum: int, device: torch.device,
                    pin_memory: bool = False, prefetch: bool = False,
                    stream=None) -> Iterator[torch.Tensor]:
@@ -138,6 +137,7 @@ def device_batches(sampler, step: int, rank: int, grad_accum: int, device: torch
         yield cur
         if more and not prefetch:
             nxt = load(micro + 1)
+
 
 def eval_chunk_indices(table: ChunkTable, num_domains: int,
                        max_chunks_per_domain: int | None = None) -> np.ndarray:
