@@ -28,4 +28,5 @@ esac
 echo "torch $got from $dir"
 export PYTHONPATH="$dir:$root/src" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$py" -m pytest -q -p no:cacheprovider tests/bench/test_device_stack.py \
-    tests/train/test_capacity_plan.py tests/train/test_compile.py tests/model/test_capacity_plan.py "$@"
+    tests/train/test_capacity_plan.py tests/train/test_compile.py \
+    tests/model/test_capacity_plan.py tests/train/test_step_options.py "$@"

@@ -15,11 +15,11 @@ of what matters if the run is cut off:
    sequences per optimizer step (the paper's per-GPU share of its 512 x 1024 batch on 8 GPUs:
    micro batch 16 x 4, then 32 x 2), ReLU on the capacity plan (no sync, no graph break) and
    on the exact plan (``nonzero``) with and without dynamo capturing it, then fused AdamW,
-   the chunked loss and the compiled loss: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s, (token, expert) pairs
-   per token (ReLU calibrated on the very batches timed: TopK's count), MFU against the data
-   sheet and the measured matmul, peak memory, host syncs per step, and for the first rows a
-   profile of one step by kernel category. The table compares every ReLU row with its TopK
-   row per token and per active pair.
+   the chunked loss and the compiled loss: :func:`remoe.lab.bench.gpu.train_row` -- tokens/s,
+   (token, expert) pairs per token (ReLU calibrated on the very batches timed: TopK's count),
+   MFU against the data sheet and the measured matmul, peak memory, host syncs per step, and
+   for the first rows a profile of one step by kernel category. The table compares every ReLU
+   row with its TopK row per token and per active pair.
 
 After every stage the whole result so far is written to ``gpu_check.json`` (atomically: a
 temporary file, then a rename) in ``$OUT`` when set, else ``bench_results/``, and the log line
