@@ -3,6 +3,15 @@
 import pytest
 
 
+def pytest_configure(config):
+    """The suite compiles on CPU: inductor's disk cache, one per ATen CPU capability, so that a
+    run under a second kernel path never loads graphs compiled under the first
+    (remoe.machine.kernels.separate_compile_cache)."""
+    from remoe.machine.kernels import separate_compile_cache
+
+    separate_compile_cache()
+
+
 @pytest.fixture(scope="session")
 def micro_data_cfg(tmp_path_factory):
     """A small built-in corpus + 384-token BPE, built once for the session: the data of the

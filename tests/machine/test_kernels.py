@@ -119,3 +119,40 @@ def test_pinned_micro_run_matches_the_committed_fingerprint(micro_data_cfg, tmp_
                 f"{kernels.as_shell(kernels.PINNED)}, so train.portable_kernels does not hold "
                 "between the two: report it (docs/RELIABILITY.md); or the model, data or trainer "
                 "changed on purpose: record it again (this file's docstring)")
+
+
+COMPILED_LOSS = """
+import torch
+from remoe.machine import kernels
+from remoe.model.losses import lm_loss
+
+kernels.separate_compile_cache()
+g = torch.Generator().manual_seed(0)
+h, w = torch.randn(2, 33, 16, generator=g), torch.randn(300, 16, generator=g)
+y = torch.randint(0, 300, (2, 33), generator=g)
+eager, compiled = lm_loss(h, w, y), torch.compile(lm_loss)(h, w, y)
+print(torch.backends.cpu.get_cpu_capability(), float((compiled - eager).abs() / eager))
+"""
+
+
+def test_compiled_graphs_are_cached_per_cpu_kernel_path(tmp_path, monkeypatch):
+    """Inductor's disk cache does not key on ATen's CPU capability: a loss compiled under the
+    default kernels and loaded under ``ATEN_CPU_CAPABILITY=avx2`` came out 64.3 for 5.96
+    (torch 2.13, AMD EPYC). :func:`kernels.separate_compile_cache` gives each path its own
+    directory; one the user chose is left alone."""
+    drop = (*kernels.PINNED, "TORCHINDUCTOR_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")  # inductor's default dir below it
+    out = []
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}, {}):
+        proc = subprocess.run([sys.executable, "-c", COMPILED_LOSS], env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cap, rel = proc.stdout.split()
+        out.append(cap)
+        assert float(rel) < 1e-5, (extra, cap, rel)  # the eager loss, cache hit or not
+    caches = sorted(p.name for p in tmp_path.glob("torchinductor_*/remoe-*"))
+    assert caches == sorted({f"remoe-{c.lower()}" for c in out}), caches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernels.separate_compile_cache() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

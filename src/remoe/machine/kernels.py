@@ -63,6 +63,26 @@ def check_cpu(field: str = "train.portable_kernels") -> str:
     return cap
 
 
+def separate_compile_cache() -> str | None:
+    """Give ``torch.compile``'s on-disk cache (inductor's ``TORCHINDUCTOR_CACHE_DIR``) one
+    directory per ATen CPU capability, below inductor's default directory; the directory set,
+    or None where the user chose one (left as it is). Inductor does not key its cache on the
+    capability: a graph compiled under one (AVX-512) and loaded under another
+    (``ATEN_CPU_CAPABILITY=avx2``: the pin above, or the suite's second kernel path) computed
+    wrong numbers on torch 2.13 (docs/RELIABILITY.md)."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != base and os.path.dirname(
+            os.path.abspath(chosen)) != base:
+        return None
+    path = os.path.join(base, f"remoe-{torch.backends.cpu.get_cpu_capability().lower()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # read by inductor at every compilation
+    return path
+
+
 def configure(portable: bool, num_threads, owns_process: bool) -> None:
     """``train.portable_kernels``: require a fixed thread count, pin the kernel paths and check
     the CPU, before any torch work; nothing when ``portable`` is false."""

@@ -27,6 +27,7 @@ from remoe.distributed.fsdp import shard_model
 from remoe.distributed.setup import DistInfo, init_distributed, resolve_device
 from remoe.errors import ConfigError
 from remoe.experiment import padded_vocab
+from remoe.machine.kernels import separate_compile_cache
 from remoe.machine.threads import ThreadTuner, fix_threads, usable_cores
 from remoe.model import ReMoEForCausalLM, registry
 
@@ -149,6 +150,7 @@ def lay_out(model: torch.nn.Module, tc, model_cfg, rt: Runtime):
     if tc.compile:
         compile_blocks(model)
     if tc.compile_loss:
+        separate_compile_cache()
         model.compile_lm_loss()
     fsdp = (shard_model(model, rt.device, ep, rt.autocast_dtype is not None) if tc.fsdp
             else None)
@@ -209,6 +211,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> int:
     ``model.expert_backend=grouped_mm`` is the compileable path.
     """
     blocks = list(getattr(model, "layers", ()))
+    separate_compile_cache()  # inductor's disk cache, one per CPU kernel path
     for block in blocks:
         block.compile(**options)
     return len(blocks)

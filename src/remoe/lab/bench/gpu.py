@@ -328,6 +328,10 @@ def head_loss(device: torch.device, hidden: int, vocab: int, tokens: int,
     y = torch.randint(0, vocab, (1, tokens + 1), generator=g).to(device)
     ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
+    if compiled:
+        from remoe.machine.kernels import separate_compile_cache
+
+        separate_compile_cache()
     fn = torch.compile(lm_loss) if compiled else None
 
     def run():
