@@ -146,7 +146,8 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
     assert [(h["chunk"], h["compiled"]) for h in stages["head_loss"]] == [
         (0, False), (4096, False), (0, True)], stages["head_loss"]
     rows = {k: v for k, v in stages.items() if isinstance(v, dict) and "router" in v}
-    assert len(rows) == 17, {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
+    errors = {k: v.get("error", "") for k, v in stages.items() if isinstance(v, dict)}
+    assert len(rows) == 17, errors
     for name, row in rows.items():
         exact = row["plan"] == "exact"
         assert row["syncs_backward"] == 0 and row["syncs_step"] == 1, (name, row["syncs_report"])
