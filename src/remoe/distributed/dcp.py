@@ -33,20 +33,15 @@ from remoe import rundir
 from remoe.rundir import dcpread
 from remoe.errors import ConfigError
 
-DCP_DIR = "dcp"
 DCP_METADATA = rundir.DCP_METADATA
-
-
-def is_sharded_checkpoint(ckpt: Path) -> bool:
-    return (Path(ckpt) / DCP_DIR).is_dir()
 
 
 def check_checkpoint_kind(ckpt: Path, fsdp: bool) -> None:
     """Refuse (one line) to resume a sharded checkpoint without FSDP, or a full one with it."""
-    if is_sharded_checkpoint(ckpt) and not fsdp:
+    if dcpread.is_sharded(ckpt) and not fsdp:
         raise ConfigError(f"--resume: {Path(ckpt).name} is a sharded checkpoint (written with "
                           "train.fsdp=true); resume it with --set train.fsdp=true")
-    if fsdp and not is_sharded_checkpoint(ckpt):
+    if fsdp and not dcpread.is_sharded(ckpt):
         raise ConfigError(f"--resume: train.fsdp=true resumes sharded checkpoints only; "
                           f"{Path(ckpt).name} is a full one (resume it with train.fsdp=false)")
 
@@ -131,7 +126,7 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, state: dict[str, 
                 shutil.rmtree(tmp)
             tmp.mkdir()
     _barrier()
-    dcp.save(training_state(model, optimizer, ep), checkpoint_id=str(tmp / DCP_DIR))
+    dcp.save(training_state(model, optimizer, ep), checkpoint_id=str(tmp / dcpread.DCP_DIR))
     _barrier()  # every rank's shards are on disk
     if main:
         with rundir.writing(final, cleanup=tmp):
@@ -155,6 +150,6 @@ def load_sharded(ckpt: Path, model, optimizer, ep=None) -> None:
 
     sd = training_state(model, optimizer, ep)
     # never torch's own reader: it unpickles .metadata with plain pickle (remoe.rundir.dcpread)
-    dcpread.load(sd, Path(ckpt) / DCP_DIR)
+    dcpread.load(sd, Path(ckpt) / dcpread.DCP_DIR)
     sd = _ep_to_local(sd, ep)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
