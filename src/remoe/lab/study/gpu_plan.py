@@ -13,7 +13,7 @@ from remoe.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class GPURun:
     name: str
     label: str
     sets: tuple[str, ...]
@@ -21,11 +21,11 @@ class RunSpec:
 
 #: the runs, in order; the ReMoE runs' sparsity target is 1 - k/E = 0.875
 RUNS = (
-    RunSpec("topk", "TopK (dMoE, LB loss 0.01)", ("model.router=topk",)),
-    RunSpec("remoe_rec", "ReMoE, recommended control (PI, ki 1, max_active 4)",
+    GPURun("topk", "TopK (dMoE, LB loss 0.01)", ("model.router=topk",)),
+    GPURun("remoe_rec", "ReMoE, recommended control (PI, ki 1, max_active 4)",
             ("model.router=relu", "model.lambda_update=pi", "model.lambda_pi_ki=1.0",
              "model.max_active=4")),
-    RunSpec("remoe_paper", "ReMoE, the paper's controller (sign, lambda0 1e-8, alpha 1.2)",
+    GPURun("remoe_paper", "ReMoE, the paper's controller (sign, lambda0 1e-8, alpha 1.2)",
             ("model.router=relu", "model.lambda_update=sign", "model.lambda0=1e-8",
              "model.alpha=1.2")),
 )

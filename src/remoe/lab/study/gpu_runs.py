@@ -15,7 +15,7 @@ from typing import Any
 
 from remoe.errors import ConfigError
 from remoe.lab.study import gpu_record, gpu_report
-from remoe.lab.study.gpu_plan import (RUNS, RunSpec, Settings, base_sets, eval_steps,
+from remoe.lab.study.gpu_plan import (RUNS, GPURun, Settings, base_sets, eval_steps,
                                       plan_steps, step_seconds, tokens_per_step)
 
 
@@ -79,7 +79,7 @@ class Study:
                     "budget")
         return None
 
-    def _run(self, spec: RunSpec, first: bool, sized_runs: list[RunSpec]) -> None:
+    def _run(self, spec: GPURun, first: bool, sized_runs: list[GPURun]) -> None:
         import torch
 
         from remoe.experiment import load_config
@@ -123,8 +123,8 @@ class Study:
             return nullcontext()
         return torch.autocast(device_type=t.device.type, dtype=t.autocast_dtype)
 
-    def _train(self, spec: RunSpec, t, rec: dict[str, Any], row: dict[str, Any],
-               t_start: float, first: bool, sized_runs: list[RunSpec]) -> None:
+    def _train(self, spec: GPURun, t, rec: dict[str, Any], row: dict[str, Any],
+               t_start: float, first: bool, sized_runs: list[GPURun]) -> None:
         from remoe.experiment import padded_vocab
 
         s = self.s
@@ -202,8 +202,8 @@ class Study:
                      f"whole validation {whole.get('loss', float('nan')):.4f}, "
                      f"{self.now():.0f} s")
 
-    def _size(self, spec: RunSpec, ends: list[float], first_eval_s: float, eval_s: float,
-              t_start: float, sized_runs: list[RunSpec]) -> None:
+    def _size(self, spec: GPURun, ends: list[float], first_eval_s: float, eval_s: float,
+              t_start: float, sized_runs: list[GPURun]) -> None:
         """The study's steps per run, from the first run's probe (gpu_study's docstring): wall
         seconds per step after the first third of the probe (compilation), the run's set-up
         (build, compilation) beyond that, and the evaluations: the first of a run compiles."""
