@@ -138,14 +138,47 @@ print(torch.backends.cpu.get_cpu_capability(), float((compiled - eager).abs() / 
 """
 
 
-def test_compiled_graphs_are_cached_per_cpu_kernel_path(tmp_path, monkeypatch):
-    """Inductor's disk cache does not key on ATen's CPU capability: a loss compiled under the
-    default kernels and loaded under ``ATEN_CPU_CAPABILITY=avx2`` came out 64.3 for 5.96
-    (torch 2.13, AMD EPYC). :func:`kernels.separate_compile_cache` gives each path its own
-    directory; one the user chose is left alone."""
+CACHE_DIR = """
+import torch
+from remoe.machine import kernels
+print(torch.backends.cpu.get_cpu_capability(), kernels.separate_compile_cache())
+"""
+
+
+def _env_without_pins(tmp_path) -> dict[str, str]:
     drop = (*kernels.PINNED, "TORCHINDUCTOR_CACHE_DIR")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")  # inductor's default dir below it
+    return env
+
+
+def test_each_cpu_kernel_path_has_its_own_compile_cache(tmp_path, monkeypatch):
+    """:func:`kernels.separate_compile_cache`: a directory per ATen CPU capability below
+    inductor's default one (why: the slow test below); one the user chose is left alone."""
+    seen = {}
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        proc = subprocess.run([sys.executable, "-c", CACHE_DIR],
+                              env={**_env_without_pins(tmp_path), **extra},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cap, path = proc.stdout.split()
+        seen[cap] = Path(path)
+    for cap, path in seen.items():
+        assert path.name == f"remoe-{cap.lower()}", seen
+        assert path.parent.parent == tmp_path and path.parent.name.startswith("torchinductor_")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernels.separate_compile_cache() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+@pytest.mark.slow
+def test_compiled_graphs_are_cached_per_cpu_kernel_path(tmp_path):
+    """Inductor's disk cache does not key on ATen's CPU capability: a loss compiled under the
+    default kernels and loaded under ``ATEN_CPU_CAPABILITY=avx2`` came out 64.3 for 5.96
+    (torch 2.13, AMD EPYC). With :func:`kernels.separate_compile_cache` each path compiles its
+    own (fails with it turned off: 5.6% off). Slow (two cold compilations, ~45 s): run with
+    ``-m slow``."""
+    env = _env_without_pins(tmp_path)
     out = []
     for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):  # the second finds the first's cache
         proc = subprocess.run([sys.executable, "-c", COMPILED_LOSS], env={**env, **extra},
@@ -156,6 +189,3 @@ def test_compiled_graphs_are_cached_per_cpu_kernel_path(tmp_path, monkeypatch):
         assert float(rel) < 1e-5, (extra, cap, rel)  # the eager loss, cache hit or not
     caches = sorted(p.name for p in tmp_path.glob("torchinductor_*/remoe-*"))
     assert caches == sorted({f"remoe-{c.lower()}" for c in out}), caches
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert kernels.separate_compile_cache() is None
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
