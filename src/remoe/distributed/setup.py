@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,14 +16,14 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    enabled: bool = field(init=False)  # more than one process
+
+    def __post_init__(self) -> None:
+        self.enabled = self.world_size > 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
 
 
 def init_distributed(device_type: str) -> DistInfo:

@@ -62,7 +62,6 @@ class Trainer:
         tc = cfg.train
         self.rt = rt = setup_runtime(tc)  # threads, process group, device, precision
         self.threads, self.dist, self.device = rt.threads, rt.dist, rt.device
-        self.distributed = self.dist.enabled  # more than one process
         self.autocast_dtype = rt.autocast_dtype
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
         self.run_dir = cfg.run_dir
@@ -144,7 +143,7 @@ class Trainer:
 
     # -- construction helpers ---------------------------------------------------------------
     def _barrier(self) -> None:
-        if self.distributed:
+        if self.dist.enabled:
             dist.barrier()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -183,7 +182,7 @@ class Trainer:
         ckpt_io.set_rng_state(state["rng"])
 
     def save(self) -> Path | None:
-        if self.distributed:  # every rank must hold the same lambda
+        if self.dist.enabled:  # every rank must hold the same lambda
             self.control.check_ranks_agree(self.device, self.step)
         if self.dist.is_main:  # the lines a resume from this checkpoint keeps are on disk first
             self.metrics.sync()
@@ -296,7 +295,7 @@ class Trainer:
         # clip first: the norm goes to the host in the same copy as the step's sums, the step's
         # one host synchronisation outside the model
         norm = finish_and_clip(self.model, tc.grad_clip, self.fsdp or self.ep)
-        return (self.control.reduce(self.device, self.distributed, grad_norm=norm),
+        return (self.control.reduce(self.device, self.dist.enabled, grad_norm=norm),
                 tokens_micro, caps)
 
     def _micro_step(self, step: int, micro: int, input_ids, coeff: float, layer_coeffs, revive,
@@ -371,7 +370,7 @@ class Trainer:
         reason = self._should_stop()
         last_rec = None
         # Ctrl-C or SIGTERM: the step in progress finishes, then a checkpoint (runtime.py)
-        ctrl_c = StopOnInterrupt(enabled=not self.distributed)
+        ctrl_c = StopOnInterrupt(enabled=not self.dist.enabled)
         try:
             with ctrl_c:
                 while reason is None:
