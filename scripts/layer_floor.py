@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from remoe.machine import allocator
 from remoe.lab.bench.common import loadavg, machine_info, spread, time_interleaved
 from remoe.lab.bench.layer import LayerCase, build_rows, step_fn
-from remoe.model.fused_cpu import fused_rows
+from remoe.model.dispatch import fused_rows
 
 
 def pieces(case: LayerCase, seed: int = 0) -> dict:

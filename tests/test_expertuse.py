@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from remoe.model.losses import effective_experts_of, no_expert_share_of
-from remoe.method.losses import step_statistics
+from remoe.method.sparsity import step_statistics
 
 
 def test_effective_experts_by_hand():

@@ -46,7 +46,7 @@ ALLOWED = {
 #: `relu` model and upcycle a `dense` one, the router swap turns softmax weights into ReLU ones,
 #: the benchmarks' rows are named methods
 NAMES_ALLOWED = {"convert/from_hf.py", "convert/upcycle.py", "train/init_from.py",
-                 "lab/bench/layer.py", "lab/bench/gpu.py", "lab/bench/gpu_table.py",
+                 "lab/bench/layer.py", "lab/bench/gpu.py", "lab/bench/gpu_check.py",
                  "lab/bench/memory_plan.py", "lab/bench/model.py"}
 
 

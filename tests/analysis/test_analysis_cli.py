@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from remoe.lab.analysis.analyze import flip_series
 from remoe.lab.analysis.cli import parse_items
-from remoe.lab.analysis.flips import flip_series
 from remoe.lab.analysis.runlog import Run, load_masks
 from remoe.errors import ConfigError
 
@@ -247,7 +247,7 @@ def test_figures_say_which_layers_and_statistic(remoe_run, eval_npz, tmp_path, m
 
 
 def test_allocation_annotation_is_outside_the_data():
-    from remoe.lab.analysis.plots import fig_token_allocation
+    from remoe.lab.analysis.plots_routing import fig_token_allocation
 
     n = 60
     table = {"token_id": np.arange(n), "mean_active": np.linspace(3, 1, n),

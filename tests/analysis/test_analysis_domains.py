@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.lab.analysis.calibdomains import row_domains_R, validation_index
-from remoe.lab.analysis.domainspec import partitions_p_floor
-from remoe.lab.analysis.domainstats import mi_bits_xL, shuffle_test, unit_counts
+from remoe.lab.analysis.domainspec import partitions_p_floor, row_domains_R, validation_index
+from remoe.lab.analysis.domainstats import mi_bits_xL, regression_test, shuffle_test, unit_counts
 from remoe.lab.analysis.routing import RoutingStats
-from remoe.lab.analysis.stepdomains import regression_test
 
 D, L, N, SEQ = 4, 2, 8, 64
 

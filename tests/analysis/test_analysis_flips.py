@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remoe.lab.analysis.flips import flip_rate, flip_series, layer_flip_rates
+from remoe.lab.analysis.analyze import flip_rate, flip_series, layer_flip_rates
 from remoe.lab.analysis.runlog import load_masks
 
 

@@ -171,7 +171,7 @@ def test_spearman():
 
 def test_expert_use_per_layer_and_the_inactive_rules(tmp_path):
     from remoe.errors import ConfigError
-    from remoe.lab.analysis.inactive import inactive_threshold
+    from remoe.lab.analysis.common import inactive_threshold
 
     # token 0 activates no expert in layer 0 (e < 0) and expert 0 in layer 1
     s = collect_routing_stats(ToyRouter(), [(torch.tensor([[0, 1, 0], [0, 3, 3]]),

@@ -131,7 +131,7 @@ def test_fixed_sparsity_has_no_settling_to_report(tmp_path):
     lambda or, with no lambda, the thresholds -- reports its settling step like ReMoE's."""
     import json
 
-    from remoe.lab.analysis.report_sections import settling_cell
+    from remoe.lab.analysis.report import settling_cell
     from remoe.method.stages import sparsity_is_fixed
     from remoe.train.metrics import logged_stages
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from remoe.lab.analysis.tokens import BYTE_OF_CHAR, TokenNames
+from remoe.lab.analysis.model_analyses import BYTE_OF_CHAR, TokenNames
 
 
 def test_token_names(remoe_run):

@@ -6,7 +6,7 @@ import zipfile
 
 import numpy as np
 
-from remoe.lab.analysis.evaldata import eval_tokens
+from remoe.lab.analysis.model_analyses import eval_tokens
 from remoe.lab.analysis.runlog import Run
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remoe.lab.bench import cli, gpu, gpu_table
+from remoe.lab.bench import cli, gpu, gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -28,8 +28,8 @@ def test_suite_logic_on_cpu():
     """The whole suite on CPU with a micro model: bf16 autocast puts the experts on grouped_mm
     in bf16, the on-device plan runs, and the syncs are those of the CUDA path."""
     lines = []
-    res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,
-                        warmup=1, vocab=384, matmul_n=128, log=lines.append)
+    res = gpu_check.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2,
+                              steps=1, warmup=1, vocab=384, matmul_n=128, log=lines.append)
     assert res["device"] == "cpu" and res["peak_bf16_tflops"] is None
     for r in res["loss_check"]:
         assert r["ok"], r
@@ -47,12 +47,12 @@ def test_suite_logic_on_cpu():
         assert r["syncs_forward"] == (r["moe_layers"] if name == "relu" else 0), r["syncs_report"]
         assert (r["sparsity"] is not None) == moe
     assert abs(rows["relu"]["sparsity"] - 0.875) < 0.03  # held at the sparse stage III
-    text = gpu_table.table(res)
+    text = gpu_check.table(res)
     assert text.splitlines()[0].startswith("| device | preset | row | mb x accum |")
     assert "| cpu | micro | relu | 2 x 1 |" in text and "not run (fewer than 2 GPUs)" in text
     assert rows["topk"]["pairs_per_token"] == 1.0
     assert abs(rows["relu"]["pairs_per_token"] - 1.0) < 0.02  # calibrated on the batches timed
-    (ratio,) = gpu_table.relu_vs_topk(res["rows"])
+    (ratio,) = gpu_check.relu_vs_topk(res["rows"])
     assert ratio["pair_ratio"] == pytest.approx(
         ratio["tokens_ratio"] * rows["relu"]["pairs_per_token"])
     assert "| ReLU row | vs TopK row |" in text

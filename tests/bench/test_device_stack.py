@@ -6,9 +6,10 @@ pyyaml, but not zstandard or lm-eval, and nothing can be installed there; the pr
 ``PYTHONPATH=src`` (``scripts/gpu_check.sh``). A subprocess gets a ``sitecustomize`` (first on
 its ``PYTHONPATH``) that takes the installed checkout off ``sys.path``, answers "not installed"
 for the project's distribution metadata, and puts a finder first on ``sys.meta_path`` that
-refuses the two packages. In it: the GPU suite's CPU path (``remoe.lab.bench.gpu.run_suite``), the
-check's stages (``remoe.lab.bench.gpu_check.run_check``, compiled rows on dynamo's ``eager``
-backend), and both commands' one line without CUDA. An optional import that sneaks onto this
+refuses the two packages. In it: the GPU suite's CPU path
+(``remoe.lab.bench.gpu_check.run_suite``), the check's stages
+(``remoe.lab.bench.gpu_check.run_check``, compiled rows on dynamo's ``eager`` backend), and both
+commands' one line without CUDA. An optional import that sneaks onto this
 path fails here, not on the device's clock.
 """
 
@@ -92,8 +93,9 @@ SCRIPT = textwrap.dedent('''
     from remoe.lab.bench import cli, gpu, gpu_check
 
     out = Path(sys.argv[1])
-    res = gpu.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2, steps=1,
-                        warmup=1, vocab=384, matmul_n=64, routers=("relu",), log=lambda line: None)
+    res = gpu_check.run_suite(torch.device("cpu"), preset="micro", seq_len=32, micro_batch=2,
+                              steps=1, warmup=1, vocab=384, matmul_n=64, routers=("relu",),
+                              log=lambda line: None)
     # every row of the check, at 2 (4) sequences x 2 micro-batches instead of 16 x 4 (32 x 2)
     rows = [dict(r, micro_batch=r["micro_batch"] // 8, grad_accum=2) for r in gpu_check.ROWS]
     check = gpu_check.run_check(torch.device("cpu"), out, preset="micro", seq_len=32, rows=rows,

@@ -25,7 +25,7 @@ import pytest
 
 from remoe.errors import ConfigError
 from remoe.experiment import padded_vocab
-from remoe.lab.study import gpu_data, gpu_plan, gpu_record, gpu_runs, gpu_study
+from remoe.lab.study import gpu_report, gpu_runs, gpu_study
 from remoe.train.optim import cosine_lr
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,25 +48,25 @@ def pack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-study-data")
     prepare_data(DataConfig(cache_dir=str(tmp / "cache"), max_bytes_per_domain=60_000,
                             vocab_size=384), progress=False)
-    meta = gpu_data.pack_store(tmp / "cache", tmp / "pack")
+    meta = gpu_study.pack_store(tmp / "cache", tmp / "pack")
     return tmp, meta
 
 
 def test_pack_is_reproducible_and_checked(pack, tmp_path):
     tmp, meta = pack
-    again = gpu_data.pack_store(tmp / "cache", tmp_path / "again")
+    again = gpu_study.pack_store(tmp / "cache", tmp_path / "again")
     assert again["sha256"] == meta["sha256"] and meta["vocab_size"] == 384
-    bundle = gpu_data.open_data(tmp / "pack", tmp_path / "scratch")
+    bundle = gpu_study.open_data(tmp / "pack", tmp_path / "scratch")
     assert bundle.vocab_size == 384 and bundle.split("train").num_tokens == meta["tokens"]["train"]
     bad = tmp_path / "bad"
     shutil.copytree(tmp / "pack", bad)
-    with open(bad / gpu_data.ARCHIVE, "r+b") as f:
+    with open(bad / gpu_study.ARCHIVE, "r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01")
     with pytest.raises(ConfigError, match="does not match"):
-        gpu_data.open_data(bad, tmp_path / "scratch2")
+        gpu_study.open_data(bad, tmp_path / "scratch2")
     with pytest.raises(ConfigError, match="no pack.json"):
-        gpu_data.open_data(tmp_path, tmp_path / "scratch3")
+        gpu_study.open_data(tmp_path, tmp_path / "scratch3")
 
 
 def test_cpu_path_end_to_end_on_the_device_stack(pack, tmp_path):
@@ -100,11 +100,11 @@ def test_cpu_path_end_to_end_on_the_device_stack(pack, tmp_path):
     assert {str(p) for p in files} == {"gpu_study.json", "gpu_study.log", "gpu_study.md",
                                        "gpu_study.png", "runs/topk.json.gz",
                                        "runs/remoe_rec.json.gz", "runs/remoe_paper.json.gz"}
-    summary = gpu_record.read_summary(out)
+    summary = gpu_report.read_summary(out)
     plan = summary["plan"]
     assert summary["state"] == "done" and plan["sized"] and 3 <= plan["steps"] <= 5, plan
     assert summary["data"]["model_vocab"] == padded_vocab(384)
-    runs = gpu_record.read_runs(out)
+    runs = gpu_report.read_runs(out)
     assert list(runs) == ["topk", "remoe_rec", "remoe_paper"]
     st = summary["settings"]
     for name, rec in runs.items():
@@ -129,8 +129,8 @@ def test_cpu_path_end_to_end_on_the_device_stack(pack, tmp_path):
     assert "vocabulary 384" in md and "1.936" in md and "one seed is one seed" in md
 
 
-def _settings(extra: list[str]) -> gpu_plan.Settings:
-    return gpu_plan.resolve(gpu_study.parser().parse_args(extra), cuda=False)
+def _settings(extra: list[str]) -> gpu_runs.Settings:
+    return gpu_runs.resolve(gpu_study.parser().parse_args(extra), cuda=False)
 
 
 class _Killed(BaseException):
@@ -150,10 +150,10 @@ def _study(pack, tmp_path, s, out):
 def test_json_on_disk_after_every_evaluation_and_a_killed_study_keeps_it(pack, tmp_path):
     seen = []
 
-    class Output(gpu_record.Output):
+    class Output(gpu_report.Output):
         def write_run(self, name, record):
             path = super().write_run(name, record)
-            on_disk = gpu_record.read_runs(self.dir)[name]
+            on_disk = gpu_report.read_runs(self.dir)[name]
             seen.append((len(on_disk["curve"]), len(on_disk["files"]["metrics.jsonl"])))
             if len(seen) == 2:
                 raise _Killed
@@ -166,16 +166,16 @@ def test_json_on_disk_after_every_evaluation_and_a_killed_study_keeps_it(pack, t
     with pytest.raises(_Killed):
         study.run_all()
     assert seen == [(1, 2), (2, 4)]  # evaluations at steps 2 (probe) and 4
-    rec = gpu_record.read_runs(out.dir)["topk"]
+    rec = gpu_report.read_runs(out.dir)["topk"]
     assert rec["state"] == "running" and rec["steps"] == 4
     assert [e["step"] for e in rec["curve"]] == [2, 4]
-    summary = gpu_record.read_summary(out.dir)  # written after the run's file: one behind
+    summary = gpu_report.read_summary(out.dir)  # written after the run's file: one behind
     assert summary["state"] == "running" and summary["runs"]["topk"]["val_loss"] == \
         rec["curve"][0]["val_loss"]
 
 
 def test_a_run_past_the_deadline_is_cut_and_later_runs_are_skipped(pack, tmp_path):
-    out = gpu_record.Output(tmp_path / "out", echo=lambda line: None)
+    out = gpu_report.Output(tmp_path / "out", echo=lambda line: None)
     s = _settings(["--steps", "6", "--evals", "3", "--runs", "topk,remoe_rec",
                    "--deadline-s", "100"])
     study = _study(pack, tmp_path, s, out)
@@ -189,11 +189,11 @@ def test_a_run_past_the_deadline_is_cut_and_later_runs_are_skipped(pack, tmp_pat
 
     out.write_run = write_run
     study.run_all()
-    runs = gpu_record.read_runs(out.dir)
+    runs = gpu_report.read_runs(out.dir)
     assert runs["topk"]["state"] == "cut" and runs["topk"]["steps"] == 2
     assert runs["topk"]["whole_validation"] is None
     assert len(runs["topk"]["files"]["metrics.jsonl"]) == 2
-    summary = gpu_record.read_summary(out.dir)
+    summary = gpu_report.read_summary(out.dir)
     assert summary["runs"]["remoe_rec"]["state"] == "skipped"
     assert "deadline" in summary["runs"]["remoe_rec"]["reason"]
     md = (out.dir / "gpu_study.md").read_text()
@@ -201,7 +201,7 @@ def test_a_run_past_the_deadline_is_cut_and_later_runs_are_skipped(pack, tmp_pat
 
 
 def test_results_only_rebuilds_table_and_figure_from_the_json(pack, tmp_path):
-    out = gpu_record.Output(tmp_path / "out", echo=lambda line: None)
+    out = gpu_report.Output(tmp_path / "out", echo=lambda line: None)
     s = _settings(["--steps", "4", "--evals", "2", "--runs", "topk,remoe_rec"])
     study = _study(pack, tmp_path, s, out)
     study.run_all()
@@ -211,7 +211,7 @@ def test_results_only_rebuilds_table_and_figure_from_the_json(pack, tmp_path):
     assert gpu_study.main(["--results-only", str(copy)]) == 0
     assert (copy / "gpu_study.md").read_text() == first
     assert (copy / "gpu_study.png").stat().st_size > 1000
-    runs = gpu_record.read_runs(copy)
+    runs = gpu_report.read_runs(copy)
     whole = runs["remoe_rec"]["whole_validation"]["loss"]
     assert f"{whole:.4f}" in first
     for value in ("1.936", "1.921", "39.67", "40.03", "2.032", "30B"):
@@ -229,21 +229,21 @@ def test_plan_steps_fills_the_budget():
         return ((n - 24) * 0.1 + sum(n * 0.1 / sp for sp in kw["speeds"][1:]) + 3 * 20.0
                 + 2 * 30.0)
 
-    n = gpu_plan.plan_steps(500.0, **kw)
+    n = gpu_runs.plan_steps(500.0, **kw)
     assert cost(n) <= 500.0 * 0.95 < cost(n + 1)
-    assert gpu_plan.plan_steps(10.0, **kw) == 25  # no time: the least
-    assert gpu_plan.eval_steps(100, 24, 4) == [24, 25, 50, 75, 100]
-    assert gpu_plan.eval_steps(5, 2, 2) == [2, 4, 5]
+    assert gpu_runs.plan_steps(10.0, **kw) == 25  # no time: the least
+    assert gpu_runs.eval_steps(100, 24, 4) == [24, 25, 50, 75, 100]
+    assert gpu_runs.eval_steps(5, 2, 2) == [2, 4, 5]
 
 
 def test_effective_experts():
-    assert gpu_record.effective_experts([[5, 5, 5, 5]]) == [pytest.approx(4.0)]
-    assert gpu_record.effective_experts([[9, 0, 0], [0, 0, 0]]) == [pytest.approx(1.0), None]
+    assert gpu_report.effective_experts([[5, 5, 5, 5]]) == [pytest.approx(4.0)]
+    assert gpu_report.effective_experts([[9, 0, 0], [0, 0, 0]]) == [pytest.approx(1.0), None]
 
 
 def test_cuda_runs_use_the_capacity_plan_and_cpu_runs_the_default(tmp_path):
     args = gpu_study.parser().parse_args([])
-    cuda = gpu_plan.base_sets(gpu_plan.resolve(args, cuda=True), "d", 8192, tmp_path)
-    cpu = gpu_plan.base_sets(gpu_plan.resolve(args, cuda=False), "d", 8192, tmp_path)
+    cuda = gpu_runs.base_sets(gpu_runs.resolve(args, cuda=True), "d", 8192, tmp_path)
+    cpu = gpu_runs.base_sets(gpu_runs.resolve(args, cuda=False), "d", 8192, tmp_path)
     assert "train.dispatch_plan=capacity" in cuda  # ReLU exact, without a wait per layer
     assert not any(s.startswith("train.dispatch_plan") for s in cpu)

@@ -5,7 +5,7 @@ import torch
 
 from remoe.errors import ConfigError
 from remoe.eval.dial import threshold_sweep
-from remoe.method.losses import evaluate_loss
+from remoe.model.losses import evaluate_loss
 
 
 def _batches(seed=0, n=3):

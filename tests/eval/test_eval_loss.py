@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from remoe.method.losses import evaluate_loss
+from remoe.model.losses import evaluate_loss
 
 
 class BigramModel(nn.Module):

@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 
 from remoe import ReMoEConfig, ReMoEForCausalLM
 from remoe.hf.trainer import ReMoETrainer
-from remoe.method.losses import step_statistics
+from remoe.method.sparsity import step_statistics
 
 out = sys.argv[1]
 rank = int(os.environ["RANK"])

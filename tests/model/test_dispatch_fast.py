@@ -1,4 +1,4 @@
-"""The fused CPU expert path (fused_cpu.BlockLayout + fused_cpu.FusedExpertsFn) == the reference path.
+"""The fused CPU expert path (dispatch.BlockLayout + dispatch.FusedExpertsFn) == the reference path.
 
 Outputs and every gradient (x, gates, w_in, w_out) on random masks with idle experts, idle
 tokens, G > 1, padded and jagged chunks, recompute on/off, and inference without autograd.
@@ -11,7 +11,7 @@ import torch
 
 from remoe.model import dispatch
 from remoe.model.experts import swiglu_reference
-from remoe.model.fused_cpu import FusedExpertsFn, layout_of, swiglu_fused
+from remoe.model.dispatch import FusedExpertsFn, layout_of, swiglu_fused
 from remoe.model.moe import MoEConfig, MoELayer
 from remoe.model.routers import RouterContext
 

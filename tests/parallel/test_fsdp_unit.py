@@ -49,7 +49,7 @@ def _silence_router(model):
 
 
 def _step(model, x, coeff=1e-2):
-    from remoe.method.losses import total_loss
+    from remoe.method.sparsity import total_loss
 
     out = model(input_ids=x, labels=x, train_step=0)
     total_loss(out, coeff, None).backward()
@@ -57,7 +57,7 @@ def _step(model, x, coeff=1e-2):
 
 
 def _one_layout(rank: int, world: int, root: pathlib.Path, use_ep: bool) -> None:
-    from remoe.method.losses import total_loss
+    from remoe.method.sparsity import total_loss
     from remoe.distributed import dcp
     from remoe.distributed.fsdp import shard_model
 

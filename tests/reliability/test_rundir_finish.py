@@ -52,7 +52,7 @@ def test_resume_after_the_last_checkpoint(finished, stopped, tmp_path, train_arg
 
 def test_nan_is_written_as_null(tmp_path, train_argv, rd, monkeypatch):
     """A NaN validation loss (e.g. an empty validation split) gives null, valid JSON."""
-    import remoe.method.losses as loss_mod
+    import remoe.model.losses as loss_mod
 
     def nan_loss(model, batches, domains, device="cpu"):
         return {"loss": float("nan"), "ppl": float("inf"),

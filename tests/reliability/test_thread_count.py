@@ -25,7 +25,7 @@ def restore_threads():
 
 def test_fused_chunking_does_not_follow_the_thread_count(restore_threads):
     """The chunks decide which experts share a padded product (and so the bits of a step)."""
-    from remoe.model.fused_cpu import fused_rows
+    from remoe.model.dispatch import fused_rows
 
     torch.set_num_threads(1)
     one = fused_rows(256, 1024)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from remoe.lab.study.results import inactive_floor, lambda_amplitude, mean_std, write_results
-from remoe.lab.study.runconfig import apply_stop
+from remoe.lab.study.runs import apply_stop
 from remoe.lab.study.spec import load_spec
 
 

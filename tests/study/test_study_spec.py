@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from remoe.errors import ConfigError
-from remoe.lab.study.runconfig import apply_stop
+from remoe.lab.study.runs import apply_stop
 from remoe.lab.study.spec import auto_label, load_spec
 
 

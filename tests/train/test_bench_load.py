@@ -1,6 +1,6 @@
 """remoe bench --suite load: one measured run reads tokens/s and threads back from metrics."""
 
-from remoe.lab.bench.load import _settings, _train
+from remoe.lab.bench.scale import _settings, _train
 
 
 def test_settings_cover_all_cores_one_thread_and_auto():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from remoe.model.config import ReMoEConfig
-from remoe.method.losses import step_statistics
+from remoe.method.sparsity import step_statistics
 from remoe.model import ReMoEForCausalLM
 from remoe.train.control import StepControl, StepSums
 from remoe.train.metrics import ProgressLines
@@ -75,7 +75,7 @@ def test_step_control_without_controller_and_per_layer_reg_term():
     assert seen == [([1.0, 0.0], 1.0)]  # the routers' own update runs without a controller too
     assert stats == step_statistics(tot.counts_LN, 1.0)
     assert ctl.record(None, None) == {}
-    from remoe.method.losses import penalty
+    from remoe.method.sparsity import penalty
 
     assert penalty(2.0, 0.5, None, None) == 1.0
     assert penalty(9.0, 0.5, [1.0, 3.0], [2.0, 1.0]) == (2.0 + 3.0) / 2

@@ -1,6 +1,6 @@
 """Evaluation: per-domain validation loss, the lm-eval adapter and offline zero-shot tasks.
 
-* :mod:`remoe.method.losses` -- :func:`evaluate_loss` (token-weighted CE overall and per domain);
+* :mod:`remoe.model.losses` -- :func:`evaluate_loss` (token-weighted CE overall and per domain);
   light, used by the trainer for periodic validation.
 * :mod:`remoe.eval.adapter` -- ``RemoeLM``, an lm-eval model registered as ``"remoe"``.
 * :mod:`remoe.eval.builtin_tasks` -- tasks built from the held-out split of the corpus
@@ -18,7 +18,7 @@ __all__ = ["evaluate_loss"]
 def __getattr__(name: str):
     # lazy (PEP 562): `remoe eval --help` must not import torch
     if name == "evaluate_loss":
-        from remoe.method.losses import evaluate_loss
+        from remoe.model.losses import evaluate_loss
 
         return evaluate_loss
     raise AttributeError(f"module 'remoe.eval' has no attribute {name!r}")

@@ -352,7 +352,7 @@ def _loss(e: dict[str, Any], model: Any, tok_path: str | None, bundle: Any,
           args: argparse.Namespace, device: str) -> tuple[dict[str, Any] | None, str | None]:
     from tqdm.auto import tqdm
 
-    from remoe.method.losses import evaluate_loss
+    from remoe.model.losses import evaluate_loss
 
     if bundle is None:
         return None, "no data: no config.yaml found with the checkpoint; pass --data-cache DIR"

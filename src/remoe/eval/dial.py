@@ -36,7 +36,7 @@ def measure(model: torch.nn.Module, batches: Iterable[Any], device: torch.device
         targets = ids[:, 1:]
         nll_T = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]),
                                 targets.reshape(-1), reduction="none")
-        nll += float(nll_T.double().sum())  # float64 sums, as remoe.method.losses
+        nll += float(nll_T.double().sum())  # float64 sums, as remoe.model.losses.evaluate_loss
         tokens += targets.numel()
         counts_LN = out.aux.active_counts_LN
         layers = counts_LN.shape[0]

@@ -2,7 +2,7 @@
 
 ``ReMoETrainer`` (or :class:`ReMoETrainerMixin` in front of another ``Trainer`` subclass)
 trains a remoe model -- plain, under PEFT, with gradient checkpointing, under DDP -- with the
-objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.method.losses):
+objective of remoe's own trainer, ``L_lm + lambda * L_reg + L_aux`` (remoe.method.sparsity):
 
 * ``compute_loss`` adds ``lambda * L_reg + L_aux`` to the model's LM loss in training
   (evaluation reports the LM loss alone, as remoe does). The LM loss honours
@@ -157,7 +157,7 @@ class SparsityLoop:
     def loss_term(self, out, scale: float) -> torch.Tensor:
         """``(lambda * L_reg + L_aux) * scale`` of one training micro-batch; adds it to the
         step's sums."""
-        from remoe.method.losses import penalty
+        from remoe.method.sparsity import penalty
 
         aux = out.aux
         coeff, layer_coeffs = self.control.coeffs()

@@ -15,7 +15,7 @@ The policy (``train.num_threads``):
 
 Why fixed by default: a step's numbers are a function of its inputs and of the thread count.
 On AMD (AVX2 MKL kernels) the fused experts make 1 and 2 threads give the same bits (small
-products run on one thread, ``remoe.model.fused_cpu.SMALL_MM_ROWS``), but Intel's AVX-512 MKL
+products run on one thread, ``remoe.model.dispatch.SMALL_MM_ROWS``), but Intel's AVX-512 MKL
 kernels give other bits at 2 threads than at 1 (a 4-step micro run differed at step 2 in the
 8th digit). With the count fixed, the same config and seed give the same numbers on one machine
 whatever runs beside it. :func:`fix_threads` applies the policy for training, evaluation and

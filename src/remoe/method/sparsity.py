@@ -1,4 +1,13 @@
-"""Adaptive sparsity control for ReLU routing (paper eq. 6-7) and the project's options.
+"""ReMoE's sparsity, in one place: the training objective, what a step reports about its
+routing, and the adaptive control of the L1 penalty (paper eq. 6-7, 10) with the project's
+options.
+
+``total_loss`` is ``L = L_lm + lambda * L_reg + L_aux`` (paper eq. 10; with per-layer control
+``(1/L) sum_l lambda_l L_reg,l``), shared by the trainer and ``remoe bench``.
+``step_statistics`` turns the routing counts of a step (``active_counts_LN``: tokens routed to
+each expert of each MoE layer) into the sparsity ``S = 1 - active pairs / (L T N)`` (eq. 7),
+per-layer sparsity, active experts per token (overall and per layer), effective experts and
+dead (never-firing) experts, with the formulas of ``remoe.model.losses``.
 
 The paper's controller (the default): ``lambda_{i+1} = lambda_i * alpha ** sign((1 - k/E) - S_i)``,
 one lambda shared by all layers, updated once per optimizer step from the sparsity of the whole
@@ -34,11 +43,66 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from remoe.model import registry
+from remoe.model.losses import effective_experts_of, layer_sparsity_of, sparsity_of
 from remoe.model.spec import LAMBDA_UPDATES, SparsityControlConfig
+
+def total_loss(out: Any, coeff: float = 0.0, layer_coeffs: list[float] | None = None):
+    """The training objective of one forward ``out`` (a ReMoEOutput with ``labels``).
+
+    ``coeff`` is the single lambda (the paper); ``layer_coeffs`` one lambda per MoE layer
+    (``model.sparsity_control=per_layer``), which then replaces ``coeff``.
+    """
+    aux = out.aux
+    reg_L = aux.reg_losses_L if layer_coeffs is not None else None
+    return out.loss + penalty(coeff, aux.reg_loss, layer_coeffs, reg_L) + aux.aux_loss
+
+
+def penalty(coeff: Any, reg: Any, layer_coeffs: list[float] | None = None,
+            reg_L: Any = None) -> Any:
+    """lambda * L_reg, the one definition: the paper's single lambda times L_reg (the mean over
+    MoE layers), or with per-layer control the mean of lambda_l * L_reg,l. On tensors for the
+    loss (:func:`total_loss`), on floats for the logged value of a step."""
+    if layer_coeffs is None:
+        return coeff * reg
+    if isinstance(reg_L, torch.Tensor):
+        lam_L = torch.tensor(layer_coeffs, dtype=reg_L.dtype, device=reg_L.device)
+        return (lam_L * reg_L).mean()
+    return sum(a * b for a, b in zip(layer_coeffs, reg_L)) / len(reg_L)
+
+
+@dataclass(frozen=True)
+class StepStatistics:
+    """The routing numbers of one step (or forward), as logged in ``metrics.jsonl``."""
+
+    sparsity: float  # S over all MoE layers
+    layer_sparsity: list[float]  # S of each MoE layer
+    active_k: float  # mean active experts per token and layer
+    dead_experts: list[int]  # experts of each MoE layer that received no token
+    active_pairs: float  # (token, expert) pairs routed, summed over layers
+    layer_active_k: list[float] = field(default_factory=list)  # experts per token of each layer
+    effective_experts: list[float] = field(default_factory=list)  # exp(entropy of the load)
+
+
+def step_statistics(counts_LN: torch.Tensor, num_tokens: float) -> StepStatistics:
+    """The statistics of ``counts_LN`` ([L_moe, N] tokens per expert) over ``num_tokens`` tokens
+    (per layer; all zeros / empty for a model without MoE layers)."""
+    L = counts_LN.shape[0]
+    active_pairs = float(counts_LN.sum())
+    if L == 0:
+        return StepStatistics(0.0, [], 0.0, [], active_pairs)
+    return StepStatistics(sparsity=float(sparsity_of(counts_LN, num_tokens)),
+                          layer_sparsity=layer_sparsity_of(counts_LN, num_tokens).tolist(),
+                          active_k=active_pairs / (L * num_tokens),
+                          dead_experts=(counts_LN == 0).sum(1).tolist(),
+                          active_pairs=active_pairs,
+                          layer_active_k=(counts_LN.to(torch.float64).sum(1) / num_tokens).tolist(),
+                          effective_experts=effective_experts_of(counts_LN).tolist())
+
 
 _DEFAULT = SparsityControlConfig()
 

@@ -8,7 +8,7 @@ Weights are stacked 3-D tensors: ``w_in_ND2H`` (gate and up projections side by 
 * ``reference``: a Python loop over experts with plain matmuls (readable, any device/dtype);
 * ``grouped_mm``: one ``torch.nn.functional.grouped_mm`` per projection over the jagged groups;
 * ``fused`` (CPU): one autograd node for gather -> SwiGLU -> gate -> scatter-add that never
-  materialises ``[P, D]``, in its own module (:mod:`remoe.model.fused_cpu`).
+  materialises ``[P, D]``, beside the plan it walks (:func:`remoe.model.dispatch.swiglu_fused`).
 
 ``auto`` picks ``fused`` on CPU, ``grouped_mm`` on CUDA bf16 (sm80+) and ``reference`` otherwise.
 Keep this module out of ``torch.compile``. See docs/PERFORMANCE.md for the measurements.
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from remoe.model.dispatch import Dispatch, mask_padding, pair_gates, permute, unpermute
-from remoe.model.fused_cpu import swiglu_fused
+from remoe.model.dispatch import (Dispatch, mask_padding, pair_gates, permute, swiglu_fused,
+                                  unpermute)
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -6,7 +6,7 @@
     discard()                  the step is redone (capacity plan overflow): its sums dropped
     reduce(device, ...)        the step's one all-reduce and one copy to the host -> StepTotals
     after_step(totals)         after the optimizer update: the step's statistics
-                               (remoe.method.losses), each token router's ``after_step`` (the
+                               (remoe.method.sparsity), each token router's ``after_step`` (the
                                aux-loss-free bias, the thresholds), the controller's update, so
                                that every rank holds the same lambda (checked at checkpoints)
     split_dead(...)            ``revive_method: split`` (remoe train only): dead experts split
@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from remoe.method.losses import StepStatistics, step_statistics
-from remoe.method.sparsity import build_controller
+from remoe.method.sparsity import StepStatistics, build_controller, step_statistics
 from remoe.model.routers import Router
 
 

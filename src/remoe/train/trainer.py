@@ -5,12 +5,12 @@ One optimizer step = ``grad_accum`` micro-batches on every data-parallel rank:
     LR schedule (optim.py); lambda(s) and the revival input from the controller
         (control.py: StepControl, the sequence ReMoETrainer runs too)
     for each micro-batch: out = model(x, labels=x, train_step=step[, revive=])
-        loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.losses)
+        loss = total_loss(out, lambda)   = L_lm + lambda_i * L_reg + L_aux   (remoe.method.sparsity)
         (loss / grad_accum).backward(); control.add(out): losses and routing counts
     expert-parallel grads, clip (optim.py); control.reduce: the step's one all-reduce
         (control.py: StepSums); stop on a non-finite loss, optimizer step (optim.py)
     control.after_step: step_statistics(counts) -> S_i, per-layer S, active k, dead experts
-        (remoe.method.losses); routers' after_step; the controller's update (same lambda on
+        (remoe.method.sparsity); routers' after_step; the controller's update (same lambda on
         every rank)
     FLOPs, metrics line and progress (metrics.py); periodic validation, mask recording
     (metrics.py) and atomic checkpoint (checkpoint.py)
@@ -37,7 +37,7 @@ from remoe import rundir
 from remoe.data.sampler import device_batches
 from remoe.distributed import dcp
 from remoe.experiment import ExperimentConfig
-from remoe.method.losses import penalty, total_loss
+from remoe.method.sparsity import penalty, total_loss
 from remoe.model.experts import cast_once_per_step
 from remoe.train import checkpoint as ckpt_io
 from remoe.train.control import CapacityPlan, StepControl
@@ -320,7 +320,7 @@ class Trainer:
 
     # -- periodic work ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
-        from remoe.method.losses import evaluate_loss
+        from remoe.model.losses import evaluate_loss
 
         res = evaluate_loss(self.model, self._eval_batches(), list(self.data.domains),
                             device=self.device)

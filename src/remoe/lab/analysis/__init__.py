@@ -11,8 +11,8 @@ from remoe.lazy import lazy_names
 
 # public name -> its module, imported on first use (PEP 562): `remoe analyze --help` and
 # `remoe report --help` must not import torch
-_LAZY = {"FlipSeries": "remoe.lab.analysis.flips", "flip_rate": "remoe.lab.analysis.flips",
-         "flip_series": "remoe.lab.analysis.flips", "RoutingStats": "remoe.lab.analysis.routing",
+_LAZY = {"FlipSeries": "remoe.lab.analysis.analyze", "flip_rate": "remoe.lab.analysis.analyze",
+         "flip_series": "remoe.lab.analysis.analyze", "RoutingStats": "remoe.lab.analysis.routing",
          "collect_routing_stats": "remoe.lab.analysis.routing", "Run": "remoe.lab.analysis.runlog",
          "load_masks": "remoe.lab.analysis.runlog", "Stages": "remoe.method.stages",
          "detect_stages": "remoe.method.stages"}

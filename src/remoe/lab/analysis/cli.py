@@ -3,7 +3,9 @@
 WHAT is one of ``all`` (default), ``stages``, ``sparsity``, ``flips``, ``heatmap``,
 ``specialization``, ``allocation`` (or a comma list, also via ``--what``). Runs after the first
 are comparison runs (like ``--compare``): ``remoe analyze flips RUN_A RUN_B`` overlays their
-flip rates. Outputs go to ``RUN/analysis/`` (or ``--out``). See docs/ANALYSIS.md.
+flip rates. Outputs go to ``RUN/analysis/`` (or ``--out``). ``remoe analyze domains RUN
+[RUN ...]``: domain specialisation from the routing masks
+(:func:`remoe.lab.analysis.domainspec.run_domains`). See docs/ANALYSIS.md.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remoe.lab.analysis import domains_cli
-from remoe.lab.analysis.common import ANALYSES, Options  # light: `remoe analyze --help` is fast
+# light: `remoe analyze --help` is fast
+from remoe.lab.analysis.common import ANALYSES, INACTIVE_RULES, Options
 from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 from remoe.errors import ConfigError
 
@@ -40,7 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="other runs to overlay (flip rates)")
     p.add_argument("--out", default=None, help="output directory (default RUN/analysis)")
     add_analysis_options(p)
-    domains_cli.add_arguments(p)
+    g = p.add_argument_group("domains (domain specialisation from the routing masks)")
+    g.add_argument("--shuffles", type=int, default=1000,
+                   help="permutations of the sequences' domains for the null (default 1000)")
+    g.add_argument("--shuffle-seed", type=int, default=0, help="seed of the permutations")
+    g.add_argument("--mask-step", type=int, default=None,
+                   help="the recorded step to analyse (default: the last); `experts` then "
+                        "reads the training steps up to it and that step's masks")
+    g.add_argument("--train-steps", type=int, default=600,
+                   help="last logged steps regressed on their batches' domains (default 600; "
+                        "0: the calibration masks only)")
 
 
 def add_analysis_options(p: argparse.ArgumentParser, checkpoint: bool = True) -> None:
@@ -65,7 +76,7 @@ def add_analysis_options(p: argparse.ArgumentParser, checkpoint: bool = True) ->
     g.add_argument("--top-tokens", type=int, default=8, help="tokens listed per expert")
     g.add_argument("--recompute", action="store_true",
                    help="ignore a cached routing_stats.npz")
-    g.add_argument("--inactive-rule", choices=("fair", "paper"), default="fair",
+    g.add_argument("--inactive-rule", choices=INACTIVE_RULES, default="fair",
                    help="inactive expert: below a quarter of its fair share k/E of the tokens "
                         "(fair, default) or below 1/64 of them (paper, its Fig. 7)")
     g = p.add_argument_group("stages and sparsity")
@@ -150,8 +161,10 @@ def run(args) -> int:
     from remoe.lab.analysis.runlog import Run
     from remoe.machine.threads import fix_threads
 
-    if args.items[0] == domains_cli.NAME and not Path(domains_cli.NAME).exists():
-        return domains_cli.run(args, args.items[1:])  # numpy on the recorded masks, no model
+    if args.items[0] == "domains" and not Path("domains").exists():
+        from remoe.lab.analysis.domainspec import run_domains
+
+        return run_domains(args, args.items[1:])  # numpy on the recorded masks, no model
     what, runs = parse_items(args.items, args.what)
     fix_threads("remoe analyze")  # the training policy: all usable cores, fixed; a load hint
     compare = runs[1:] + list(args.compare)

@@ -1,5 +1,14 @@
 """What every analysis of :mod:`remoe.lab.analysis.analyze` shares: the analysis names, the
-:class:`Options`, :class:`Skip`, and the CSV / JSON writers of their numbers."""
+:class:`Options`, :class:`Skip`, the CSV / JSON writers of their numbers, and when an expert
+counts as inactive (:func:`inactive_threshold`).
+
+An expert is inactive below a share of the tokens routed to it. ``fair`` (the default): below a
+quarter of its fair share, the routed-tokens ratio ``k/E`` every expert has under perfect
+balance at the target density (``k*G`` active of ``N = E*G`` experts; ``1/(4E)`` for k = 1).
+Relative to E, so a balanced expert is never flagged whatever E is. ``paper``: below 1/64 of the
+tokens, the paper's Fig. 7 ("inactive experts with fewer than 1/64 tokens routed"), kept to
+reproduce it; at E >= 64 it flags experts that carry their fair share.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from remoe.errors import ConfigError
 from remoe.method.stages import SETTLE_TOL, SETTLE_WINDOW, SMOOTH, STAGE_EPS
 
 LOG_ANALYSES = ("stages", "sparsity", "flips", "experts")
@@ -20,13 +30,18 @@ MODEL_ANALYSES = ("heatmap", "specialization", "allocation")
 HOOK_ANALYSES = ("gates",)
 ANALYSES = LOG_ANALYSES + MODEL_ANALYSES + HOOK_ANALYSES
 STATS_FILE = "routing_stats.npz"
+INACTIVE_RULES = ("fair", "paper")
+#: the default rule: inactive below this fraction of the fair share k/E
+FAIR_SHARE_FRACTION = 0.25
+#: the paper's rule (Fig. 7)
+PAPER_INACTIVE_RATIO = 1.0 / 64
 
 
 @dataclass
 class Options:
     what: tuple[str, ...] = ANALYSES
     checkpoint: str | None = None  # model for the model-based analyses (default: the run's)
-    data: str = "auto"  # see remoe.lab.analysis.evaldata
+    data: str = "auto"  # see remoe.lab.analysis.model_analyses.eval_tokens
     data_cache: str | None = None
     max_tokens: int = 65536
     batch_size: int = 8
@@ -39,13 +54,30 @@ class Options:
     smooth: int = SMOOTH
     skip_steps: int = 100  # Fig. 3: mean/std exclude the first steps
     recompute: bool = False  # ignore a cached routing_stats.npz
-    inactive_rule: str = "fair"  # remoe.lab.analysis.inactive: fair (default) or paper (1/64)
+    inactive_rule: str = "fair"  # inactive_threshold: fair (default) or paper (1/64)
     mask_step: int | None = None  # experts (and domains): the recorded step (None: the last)
     compare: list[str] = field(default_factory=list)
 
 
 class Skip(Exception):
     """An analysis that cannot run on this run (the message says why)."""
+
+
+def inactive_threshold(fair_ratio: float, rule: str = "fair") -> float:
+    """The routed-tokens ratio under which an expert is inactive; ``fair_ratio`` = k/E
+    (= 1 - target sparsity)."""
+    if rule == "paper":
+        return PAPER_INACTIVE_RATIO
+    if rule != "fair":
+        raise ConfigError(f"inactive_rule={rule!r} must be one of {', '.join(INACTIVE_RULES)}")
+    if not fair_ratio > 0:
+        raise ConfigError(f"the fair share k/E={fair_ratio!r} must be > 0")
+    return FAIR_SHARE_FRACTION * fair_ratio
+
+
+def rule_text(rule: str = "fair") -> str:
+    """The rule in a few words, for table headers and captions."""
+    return "< 1/4 of the fair share k/E of tokens" if rule == "fair" else "< 1/64 of tokens"
 
 
 # ----------------------------------------------------------------------------- small helpers

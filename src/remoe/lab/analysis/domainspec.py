@@ -4,14 +4,17 @@ masks, with a shuffled-label null (paper §5.2 Fig. 8 and App. G; docs/ANALYSIS.
 Needs no weights, only a run's committed files and its data cache. Two sources per run:
 
 * ``calib``: its ``routing/masks_<step>.npz`` (or ``routing.zip``) hold the masks of its
-  calibration sequences, whose domains are recovered from the data cache
-  (:mod:`remoe.lab.analysis.calibdomains`); exact counts, but few tokens (``calib_tokens``).
-  The null permutes the sequences' domains; the layer-mean test is repeated at every recorded
-  step of the same tokens.
+  calibration sequences (``token_ids``) but not their domains; exact counts, but few tokens
+  (``calib_tokens``). The trainer takes them from the validation split
+  (:func:`remoe.train.metrics.calibration_set`), so each calibration row of ``seq_len`` tokens
+  is found, by its content, among the labelled validation chunks of the run's data cache
+  (:func:`row_domains_R`). A row found in no chunk (another cache, another tokenizer) or in
+  chunks of two domains is an error: the labels are exact or absent. The null permutes the
+  sequences' domains; the layer-mean test is repeated at every recorded step of the same tokens.
 * ``train``: the last ``train_steps`` steps' ``expert_counts`` of ``metrics.jsonl`` regressed
-  on the domains of their batches (:mod:`remoe.lab.analysis.stepdomains`); millions of tokens,
-  an estimate. The null permutes the steps' domain mixes; ``alignment`` gives the layer-mean MI
-  with the batches shifted by one step, where no signal should remain.
+  on the domains of their batches (:func:`remoe.lab.analysis.domainstats.regression_test`);
+  millions of tokens, an estimate. The null permutes the steps' domain mixes; ``alignment``
+  gives the layer-mean MI with the batches shifted by one step, where no signal should remain.
 
 Then the routed-tokens ratio per domain, layer and expert, and the specialisation statistics
 of :mod:`remoe.lab.analysis.domainstats` against ``shuffles`` permutations.
@@ -22,21 +25,57 @@ Legend: R calibration sequences, D domains, L MoE layers, N experts, P shuffles.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from remoe.errors import ConfigError
-from remoe.lab.analysis.calibdomains import open_cache, row_domains_R, validation_index
+from remoe.lab.analysis import plots
+from remoe.lab.analysis.common import rel_files, write_csv, write_json
 from remoe.lab.analysis.domainstats import (NullTest, domain_ratio_xDLN, mi_bits_xL,
-                                            shuffle_test, shuffled_labels_PR, unit_counts)
+                                            regressed_ratio_xDLN, regression_test, shuffle_test,
+                                            shuffled_labels_PR, step_compositions_SD,
+                                            step_counts, unit_counts)
+from remoe.lab.analysis.plots_routing import fig_specialisation, fig_specialization
 from remoe.lab.analysis.runlog import Run, load_masks
-from remoe.lab.analysis.stepdomains import (regressed_ratio_xDLN, regression_test,
-                                             step_compositions_SD, step_counts)
 
-ROUTER_NAMES = {"topk": "TopK", "relu": "ReMoE"}
+_AMBIGUOUS = -1
+
+
+def validation_index(bundle, seq_len: int, batch_size: int = 256) -> dict[bytes, int]:
+    """First ``seq_len`` tokens (int64 bytes) of every validation chunk -> its domain id."""
+    index: dict[bytes, int] = {}
+    for batch in bundle.eval_batches("validation", seq_len=seq_len, batch_size=batch_size):
+        ids = batch.input_ids[:, :seq_len].numpy().astype(np.int64)
+        for row, dom in zip(ids, batch.domain_ids.numpy()):
+            key = row.tobytes()
+            prev = index.get(key)
+            index[key] = int(dom) if prev in (None, int(dom)) else _AMBIGUOUS
+    return index
+
+
+def row_domains_R(token_ids_T: np.ndarray, seq_len: int, index: dict[bytes, int],
+                  where: str = "calibration set") -> np.ndarray:
+    """Domain id of each ``seq_len``-token row of ``token_ids_T`` (ConfigError if unknown)."""
+    T = int(token_ids_T.size)
+    if seq_len < 1 or T % seq_len:
+        raise ConfigError(f"{where}: {T} tokens are not whole rows of seq_len={seq_len}")
+    rows = np.asarray(token_ids_T, dtype=np.int64).reshape(T // seq_len, seq_len)
+    out = np.empty(rows.shape[0], dtype=np.int64)
+    for r, row in enumerate(rows):
+        dom = index.get(row.tobytes())
+        if dom is None:
+            raise ConfigError(f"{where}: row {r} is not a validation chunk of the data cache "
+                              "(a different cache or tokenizer; rebuild it with `remoe data` "
+                              "and the run's data config)")
+        if dom == _AMBIGUOUS:
+            raise ConfigError(f"{where}: row {r} occurs in validation chunks of two domains")
+        out[r] = dom
+    return out
 
 
 @dataclass
@@ -160,7 +199,10 @@ def train_routing(run: Run, label: str, bundle, *, last_steps: int = 600, shuffl
 def analyze_domains(runs: list[Run], *, data_cache: str | None = None, step: int | None = None,
                     shuffles: int = 1000, seed: int = 0, train_steps: int = 600,
                     log=print) -> list[DomainRouting]:
-    """Both sources for every run (one data cache and validation index per cache, seq_len)."""
+    """Both sources for every run (one data cache, never rebuilt here, and validation index per
+    cache, seq_len)."""
+    from remoe.data import load_prepared
+
     bundles: dict[str, Any] = {}
     indexes: dict[tuple[str, int], dict[bytes, int]] = {}
     seen: Counter = Counter()
@@ -170,7 +212,10 @@ def analyze_domains(runs: list[Run], *, data_cache: str | None = None, step: int
         if not cache:
             raise ConfigError(f"{run.path}/config.yaml names no data.cache_dir (use --data-cache)")
         if cache not in bundles:
-            bundles[cache] = open_cache(cache)
+            try:
+                bundles[cache] = load_prepared(cache, verify=False)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                raise ConfigError(f"data cache {str(cache)!r}: {e}") from None
         bundle = bundles[cache]
         key = (str(cache), run.seq_len())
         if key not in indexes:
@@ -226,3 +271,66 @@ def test_rows(dr: DomainRouting) -> list[dict[str, Any]]:
 def step_rows(dr: DomainRouting) -> list[dict[str, Any]]:
     return [{**_head(dr), "statistic": "mi", "layer": "mean",
              **{k: v for k, v in row.items() if k != "layer"}} for row in dr.steps]
+
+
+def run_domains(args, paths: list[str]) -> int:
+    """``remoe analyze domains``: writes, into ``--out`` (default the first run's ``analysis/``):
+    ``domain_routing.csv``, ``specialisation.csv``, ``specialisation_steps.csv``,
+    ``specialisation.json``, ``specialisation_<source>.png`` and
+    ``domain_routing_<run>_<source>.png`` (sources ``calib`` and ``train``)."""
+    if not paths:
+        raise ConfigError("remoe analyze domains: no run directory given")
+    if args.train_steps < 0:
+        raise ConfigError(f"--train-steps={args.train_steps} must be >= 0")
+    if args.shuffles < 2:
+        raise ConfigError(f"--shuffles={args.shuffles} must be >= 2")
+    runs = []
+    for p in paths:
+        if not Path(p).is_dir():
+            raise ConfigError(f"run directory {p!r} does not exist")
+        runs.append(Run(p))
+    out = Path(args.out) if args.out else runs[0].path / "analysis"
+    print(f"remoe analyze domains -> {out}")
+    found = analyze_domains(runs, data_cache=args.data_cache, step=args.mask_step,
+                            shuffles=args.shuffles, seed=args.shuffle_seed,
+                            train_steps=args.train_steps)
+    records = [run_record(dr) for dr in found]
+    files = [write_csv(out / "domain_routing.csv", [r for dr in found for r in routing_rows(dr)]),
+             write_csv(out / "specialisation.csv", [r for dr in found for r in test_rows(dr)]),
+             write_csv(out / "specialisation_steps.csv",
+                       [r for dr in found for r in step_rows(dr)])]
+    for dr in found:
+        L = dr.ratio_DLN.shape[1]
+        layers = args.layers if args.layers else list(range(L))
+        if any(not 0 <= l < L for l in layers):
+            raise ConfigError(f"--layers={layers}: {dr.label} has MoE layers 0..{L - 1}")
+        mi = dr.tests["mi"].layer_mean()
+        toks = ", ".join(f"{d} {int(t)}" for d, t in zip(dr.domains, dr.tokens_D))
+        what = (f"calibration masks of step {dr.step}" if dr.source == "calib" else
+                f"regressed from the {dr.num_units} training steps to {dr.step}")
+        title = (f"{dr.label} ({dr.router}): routed tokens ratio per domain, {what}\n"
+                 f"domain-expert MI {mi['observed']:.3f} bits (null {mi['null_mean']:.3f}, "
+                 f"z {mi['z']:.1f}, p {mi['p']:.3g})\ntokens: {toks}")
+        fig = fig_specialization(dr.ratio_DLN, dr.domains, layers, dr.top_k / dr.num_experts,
+                                 title)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dr.label)
+        files.append(plots.save_png(fig, out / f"domain_routing_{safe}_{dr.source}.png"))
+    for source, what in (("calib", "the calibration masks (unit: a sequence)"),
+                         ("train", "the training log regressed on batch domains (unit: a step)")):
+        recs = [r for r in records if r["source"] == source]
+        if recs:
+            files.append(plots.save_png(fig_specialisation(
+                recs, f"domain specialisation from {what},\n{args.shuffles} shuffles"),
+                out / f"specialisation_{source}.png"))
+    summary = {"shuffles": args.shuffles, "shuffle_seed": args.shuffle_seed,
+               "train_steps": args.train_steps, "mask_step": args.mask_step, "runs": records}
+    files.append(write_json(out / "specialisation.json", summary))
+    for rec in records:
+        m = rec["tests"]["mi"]["mean"]
+        per = ", ".join(f"{r['observed']:.3f} (z {r['z']:.1f})"
+                        for r in rec["tests"]["mi"]["layers"])
+        print(f"  {rec['run']:<14} {rec['source']:<5} step {rec['step']}: MI per layer {per}; "
+              f"layer mean {m['observed']:.3f} bits, null {m['null_mean']:.3f} ± "
+              f"{m['null_std']:.3f}, z {m['z']:.2f}, p {m['p']:.3g} (floor {rec['p_floor']:.2g})")
+    print("  " + ", ".join(rel_files(files, out)))
+    return 0

@@ -2,12 +2,13 @@
 tables' "Expert use"; definitions in docs/ANALYSIS.md).
 
 * From ``metrics.jsonl(.gz)`` ``expert_counts`` of the last 10% of the logged steps (at least
-  one), each step's statistics as the trainer logs them (:func:`remoe.method.losses.step_statistics`:
-  ``layer_active_k``, ``effective_experts``, ``dead_experts``), averaged over those steps:
+  one), each step's statistics as the trainer logs them
+  (:func:`remoe.method.sparsity.step_statistics`: ``layer_active_k``, ``effective_experts``,
+  ``dead_experts``), averaged over those steps:
   ``experts_per_token``, ``effective_experts``, ``never_firing``.
 * From the last recorded calibration-set routing masks (``routing/masks_*.npz`` or the committed
   ``routing.zip``): ``no_expert_share`` (tokens routed to no expert) and ``inactive`` (experts
-  under :func:`remoe.lab.analysis.inactive.inactive_threshold` of the tokens).
+  under :func:`remoe.lab.analysis.common.inactive_threshold` of the tokens).
 
 Legend: L MoE layers, N experts, S steps, T calibration tokens.
 """
@@ -20,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from remoe.lab.analysis.inactive import inactive_threshold
+from remoe.lab.analysis.common import inactive_threshold
 from remoe.lab.analysis.runlog import Run
 from remoe.model.losses import no_expert_share_of
-from remoe.method.losses import step_statistics
+from remoe.method.sparsity import step_statistics
 
 TAIL_FRACTION = 0.1  # the last 10% of the logged steps
 TRAIN_KEYS = ("experts_per_token", "effective_experts", "never_firing")

@@ -25,8 +25,8 @@ import torch
 
 from remoe.lab.analysis import plots
 from remoe.lab.analysis.common import Options, Skip, write_csv, write_json
+from remoe.lab.analysis.model_analyses import model_and_tokens
 from remoe.lab.analysis.runlog import Run
-from remoe.errors import ConfigError
 
 
 def gate_stats(model: torch.nn.Module, batches, max_tokens: int | None = None,
@@ -99,15 +99,9 @@ def gate_stats(model: torch.nn.Module, batches, max_tokens: int | None = None,
 
 
 def run_gate_stats(run: Run, opts: Options) -> list[dict[str, Any]]:
-    from remoe.lab.analysis.evaldata import eval_tokens
-    from remoe.rundir.loading import load_model, resolve_model_dir
+    from remoe.rundir.loading import load_model
 
-    try:
-        model_dir = resolve_model_dir(opts.checkpoint or run.path)
-    except ConfigError as e:
-        raise Skip(f"no model in the run ({e})") from None
-    toks = eval_tokens(run, opts.data, batch_size=opts.batch_size, max_tokens=opts.max_tokens,
-                       cache_dir=opts.data_cache)
+    model_dir, toks = model_and_tokens(run, opts, strict=False)
     model, _ = load_model(model_dir)
     return gate_stats(model, toks.batches(), max_tokens=toks.limit or opts.max_tokens,
                       seq_len=toks.seq_len)

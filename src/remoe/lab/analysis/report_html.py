@@ -1,5 +1,6 @@
 """The HTML pieces of ``remoe report``: the style sheet, escaping, number formatting, embedded
-PNG figures and tables; and the markdown table of the studies' results (:func:`md_table`)."""
+PNG figures and tables; and for the studies' results the markdown table (:func:`md_table`) and
+number cells (:func:`num`)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,13 @@ def md_table(head: list[str], body: list[list[str]]) -> list[str]:
     """The lines of a markdown table: ``head``, then one row per ``body`` entry (cells as text)."""
     return (["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
             + ["| " + " | ".join(r) + " |" for r in body])
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def num(v: Any, spec: str) -> str:
+    """``v`` formatted by ``spec`` where it :func:`is_number`, else "–" (the study's tables)."""
+    return format(v, spec) if is_number(v) else "–"

@@ -5,7 +5,7 @@
 
 * routed-tokens ratio r_{l,e} = #{t : M^l_{t,e} = 1} / T  (Fig. 7b/c); sum_e r_{l,e} is the
   mean number of active experts per token in layer l; an expert is inactive below
-  :func:`remoe.lab.analysis.inactive.inactive_threshold` (default: a quarter of its fair share);
+  :func:`remoe.lab.analysis.common.inactive_threshold` (default: a quarter of its fair share);
 * expert use per layer: effective experts exp(H(r_l / sum_e r_{l,e})), never-firing experts
   (r_{l,e} = 0) and the share of tokens with no active expert (``remoe.model.losses``);
 * per domain d: r_{d,l,e} = #{t in d : M^l_{t,e} = 1} / T_d  (Fig. 8) and the mean active
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from remoe.lab.analysis.domainstats import cv_index_xL, cv_xLN, mi_bits_xL
-from remoe.lab.analysis.inactive import inactive_threshold
+from remoe.lab.analysis.common import inactive_threshold
 from remoe.model.losses import effective_experts_of
 
 

@@ -10,6 +10,7 @@ twice the last record of that step wins.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import math
@@ -69,41 +70,21 @@ def run_json(run_dir: Path, name: str) -> Any:
 
 def run_jsonl(run_dir: Path, name: str) -> list[dict[str, Any]]:
     """The records of the JSONL file ``name`` of a run (:func:`run_bytes`; an older committed
-    copy's ``name.gz``); [] when absent."""
+    copy's gzip-compressed ``name.gz``); [] when absent. A line that does not parse (one being
+    written) is skipped."""
     data = run_bytes(run_dir, name)
-    if data is None and (Path(run_dir) / f"{name}.gz").is_file():
-        return read_jsonl(Path(run_dir) / f"{name}.gz")
-    return parse_jsonl(data.decode("utf-8", errors="replace")) if data is not None else []
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (missing file: []; ``*.gz``: gzip-compressed, as older committed
-    copies of study runs keep ``metrics.jsonl``); a line that does not parse is skipped."""
-    if not path.is_file():
-        return []
-    if path.suffix == ".gz":
-        import gzip
-
+    gz = Path(run_dir) / f"{name}.gz"
+    if data is None and gz.is_file():
         try:
-            text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+            data = gzip.decompress(gz.read_bytes())
         except (OSError, EOFError):
             return []
-    else:
-        text = path.read_text()
-    return parse_jsonl(text)
-
-
-def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """Records of JSONL text; a line that does not parse is skipped."""
     out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for line in (data or b"").decode("utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
-            continue  # a line being written
+            continue
         if isinstance(rec, dict):
             out.append(rec)
     return out
@@ -118,21 +99,8 @@ def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _column(records: list[dict[str, Any]], key: str) -> np.ndarray:
-    """float64 column (NaN where a record lacks the key or holds null)."""
-    vals = []
-    for r in records:
-        v = r.get(key)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        vals.append(float(v) if ok else math.nan)
-    return np.asarray(vals, dtype=np.float64)
-
-
 class Metrics:
     """``metrics.jsonl`` as columns: ``m["sparsity"]`` is a float array aligned with ``m.steps``."""
-
-    SCALARS = ("tokens", "flops", "lr", "loss", "lm_loss", "reg_loss", "aux_loss", "lambda",
-               "sparsity", "step_tokens", "grad_norm", "tokens_per_s", "elapsed_s", "active_k")
 
     def __init__(self, records: list[dict[str, Any]]) -> None:
         self.records = last_per_step(records)
@@ -143,8 +111,12 @@ class Metrics:
         return len(self.records)
 
     def __getitem__(self, key: str) -> np.ndarray:
+        """float64 column (NaN where a record lacks the key or holds null)."""
         if key not in self._cols:
-            self._cols[key] = _column(self.records, key)
+            vals = [r.get(key) for r in self.records]
+            ok = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals]
+            self._cols[key] = np.array([float(v) if o else math.nan for v, o in zip(vals, ok)],
+                                       dtype=np.float64)
         return self._cols[key]
 
     def has(self, key: str) -> bool:

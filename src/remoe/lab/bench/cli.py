@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         from remoe.lab.bench import data
 
         return data.run(args, args.out or Path("bench_results") / "data.json")
-    from remoe.lab.bench.procs import FreshProcesses
+    from remoe.lab.bench.common import FreshProcesses
 
     from remoe.lab.bench import common
 
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace, alloc_desc: str, common, in_child) -> int:
 
         config = args.load_config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     if suite == "load":
-        from remoe.lab.bench.load import run_load
+        from remoe.lab.bench.scale import run_load
 
         print(f"\nload suite: `remoe train` ({config or 'default config'}), {args.load_steps} "
               "steps per run, alone and beside one CPU-bound process")
@@ -356,21 +356,21 @@ def _write(out_path: Path, res: dict, t_start: float, note: str = "") -> None:
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
-    """``--suite gpu`` (remoe.lab.bench.gpu): one line and exit 0 without CUDA."""
+    """``--suite gpu`` (remoe.lab.bench.gpu_check.run_suite): one line and exit 0 without CUDA."""
     import torch
 
-    from remoe.lab.bench import gpu
+    from remoe.lab.bench import gpu_check
 
     if not torch.cuda.is_available():
-        print(gpu.NO_CUDA_LINE.format(torch=torch.__version__))
+        print(gpu_check.NO_CUDA.format(what="gpu suite", torch=torch.__version__))
         return 0
     t_start = time.perf_counter()
     out_path = args.out or Path("bench_results") / "gpu.json"
     res = _header("remoe-bench-gpu/1", torch=torch.__version__, cuda=torch.version.cuda,
                   gpus=torch.cuda.device_count())
-    res.update(gpu.run_suite(torch.device("cuda"), preset=args.preset or "small",
-                             seq_len=args.seq_len, micro_batch=args.micro_batch,
-                             steps=args.steps, peak_tflops=args.peak_tflops))
+    res.update(gpu_check.run_suite(torch.device("cuda"), preset=args.preset or "small",
+                                   seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                   steps=args.steps, peak_tflops=args.peak_tflops))
     _write(out_path, res, t_start)
     bad = [r["router"] for r in res["loss_check"] if not r["ok"]]
     return 1 if bad else 0

@@ -19,8 +19,9 @@ On a machine with CUDA:
 * **FSDP + expert parallelism** on two processes when two GPUs are visible: a short
   ``remoe train`` of the micro model under ``torchrun`` (NCCL), its tokens/s.
 
-Without CUDA it prints one line and returns 0. Every part takes a ``device`` so that its logic
-(shapes, dtypes, the on-device dispatch plan, the table) is exercised on CPU by
+Without CUDA it prints one line and returns 0. The suite's driver and its table:
+:mod:`remoe.lab.bench.gpu_check`. Every part takes a ``device`` so that its logic (shapes,
+dtypes, the on-device dispatch plan, the table) is exercised on CPU by
 ``tests/bench/test_bench_gpu.py``.
 """
 
@@ -35,8 +36,6 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from remoe.lab.bench.gpu_table import table
 
 #: dense (no structured sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data
 #: sheets; matched against ``torch.cuda.get_device_name()``, longest key first
@@ -410,39 +409,3 @@ def fsdp_ep_row(steps: int = 4) -> dict:
                     "train.device=cuda"])
     return {"layout": "fsdp+ep", "world": 2, "tokens_per_s": row["tokens_per_s"],
             "step_tokens": row["step_tokens"], "steps": steps}
-
-
-def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
-              micro_batch: int = 8, steps: int = 10, warmup: int = 3,
-              peak_tflops: float | None = None, routers=ROUTERS, check_preset: str = "micro",
-              vocab: int = GPT2_VOCAB, matmul_n: int = 8192, log=print) -> dict:
-    """Every part of the suite on ``device`` (CUDA in production; CPU in the tests)."""
-    name = device_info(device)["name"]
-    peak = peak_tflops or (peak_bf16_tflops(name) if device.type == "cuda" else None)
-    res = {"device": name, "peak_bf16_tflops": peak,
-           "peak_source": ("--peak-tflops" if peak_tflops else "data sheet" if peak else None)}
-    res["matmul_bf16_tflops"] = matmul_tflops(device, n=matmul_n)
-    log(f"device: {name}; bf16 peak {peak or 'unknown'} TFLOP/s ({res['peak_source']}); "
-        f"measured bf16 matmul {res['matmul_bf16_tflops']:.1f} TFLOP/s")
-    res["loss_check"] = loss_check(device, routers, preset=check_preset)
-    for r in res["loss_check"]:
-        log(f"  bf16 vs fp32 ({r['preset']} {r['router']}): loss {r['loss_bf16']:.4f} vs "
-            f"{r['loss_fp32']:.4f} (rel {r['loss_rel_diff']:.1e}), grad cosine "
-            f"{r['grad_cosine']:.4f}: {'ok' if r['ok'] else 'MISMATCH'}")
-    res["rows"] = []
-    for router in routers:
-        row = train_row(router, device, preset, seq_len, micro_batch, steps, warmup,
-                        vocab=vocab, peak_tflops=peak, matmul_peak=res["matmul_bf16_tflops"])
-        res["rows"].append(row)
-    res["fsdp_ep"] = None
-    if device.type == "cuda" and torch.cuda.device_count() >= 2:
-        try:
-            res["fsdp_ep"] = fsdp_ep_row()
-        except Exception as e:  # reported, not raised: the other figures stand
-            res["fsdp_ep"] = {"layout": "fsdp+ep", "world": 2, "error": str(e)[-500:]}
-    log("")
-    log(table(res))
-    return res
-
-
-NO_CUDA_LINE = "gpu suite: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); nothing measured"

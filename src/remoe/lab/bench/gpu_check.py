@@ -26,6 +26,10 @@ temporary file, then a rename) in ``$OUT`` when set, else ``bench_results/``, an
 is appended to ``gpu_check.log`` beside it: a run cut off at any point has kept every finished
 stage. A stage that fails records its error and the next one runs. Once ``--budget-s`` has
 passed, the remaining rows are recorded as skipped. Without CUDA: one line, exit 0, no files.
+
+Here too: the driver of ``remoe bench --suite gpu`` (:func:`run_suite`, the parts in
+:mod:`remoe.lab.bench.gpu`), and the rows of both as text: a row's stage name and label, the
+markdown table docs/SCALING.md publishes, each ReLU row against its TopK row.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 import torch
 
 from remoe.fileio import atomic_write_text
+from remoe.lab.bench import gpu
 
 
 def _row(router: str, mb: int = 16, accum: int = 4, plan: str = "capacity", compiled: bool = True,
@@ -67,7 +72,7 @@ ROWS = (
     _row("relu", adamw="fused", step=("prefetch", "cast_experts_once")),
     _row("topk", adamw="fused", step=("prefetch", "cast_experts_once")),
 )
-NO_CUDA = ("gpu check: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); "
+NO_CUDA = ("{what}: no CUDA device here (torch {torch}, torch.cuda.is_available() is False); "
            "nothing measured")
 
 
@@ -108,7 +113,6 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
               compile_backend: str | None = None, log=print) -> dict:
     """Every stage on ``device`` (CUDA in production; CPU in the tests, where
     ``compile_backend`` replaces inductor, whose CPU compilation takes minutes)."""
-    from remoe.lab.bench import gpu, gpu_table
     from remoe.model.config import ReMoEConfig
 
     t0 = time.perf_counter()
@@ -151,7 +155,7 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
         row = dict(row)
         if row["backend"] and compile_backend:
             row["backend"] = compile_backend
-        name = gpu_table.row_name(row)
+        name = row_name(row)
         if time.perf_counter() - t0 > budget_s:
             rec.save(name, {"skipped": f"over the {budget_s:.0f} s budget"})
             rec.log(f"[{name}] skipped (over the {budget_s:.0f} s budget)")
@@ -205,11 +209,137 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
             rec.log(f"[{name}] profile of one step: wall {p['wall_ms']:.1f} ms, busy "
                     f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}")
     rec.res["elapsed_s"] = time.perf_counter() - t0
-    rec.res["relu_vs_topk"] = gpu_table.relu_vs_topk(done)
-    rec.save("table", gpu_table.table({"rows": done, "fsdp_ep": None}))
+    rec.res["relu_vs_topk"] = relu_vs_topk(done)
+    rec.save("table", table({"rows": done, "fsdp_ep": None}))
     rec.log("\n" + rec.res["stages"]["table"])
     rec.log(f"wrote {rec.path} ({rec.res['elapsed_s']:.0f} s)")
     return rec.res
+
+
+def run_suite(device: torch.device, preset: str = "small", seq_len: int = 1024,
+              micro_batch: int = 8, steps: int = 10, warmup: int = 3,
+              peak_tflops: float | None = None, routers=gpu.ROUTERS, check_preset: str = "micro",
+              vocab: int = gpu.GPT2_VOCAB, matmul_n: int = 8192, log=print) -> dict:
+    """Every part of the suite on ``device`` (CUDA in production; CPU in the tests)."""
+    name = gpu.device_info(device)["name"]
+    peak = peak_tflops or (gpu.peak_bf16_tflops(name) if device.type == "cuda" else None)
+    res = {"device": name, "peak_bf16_tflops": peak,
+           "peak_source": ("--peak-tflops" if peak_tflops else "data sheet" if peak else None)}
+    res["matmul_bf16_tflops"] = gpu.matmul_tflops(device, n=matmul_n)
+    log(f"device: {name}; bf16 peak {peak or 'unknown'} TFLOP/s ({res['peak_source']}); "
+        f"measured bf16 matmul {res['matmul_bf16_tflops']:.1f} TFLOP/s")
+    res["loss_check"] = gpu.loss_check(device, routers, preset=check_preset)
+    for r in res["loss_check"]:
+        log(f"  bf16 vs fp32 ({r['preset']} {r['router']}): loss {r['loss_bf16']:.4f} vs "
+            f"{r['loss_fp32']:.4f} (rel {r['loss_rel_diff']:.1e}), grad cosine "
+            f"{r['grad_cosine']:.4f}: {'ok' if r['ok'] else 'MISMATCH'}")
+    res["rows"] = []
+    for router in routers:
+        row = gpu.train_row(router, device, preset, seq_len, micro_batch, steps, warmup,
+                        vocab=vocab, peak_tflops=peak, matmul_peak=res["matmul_bf16_tflops"])
+        res["rows"].append(row)
+    res["fsdp_ep"] = None
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
+        try:
+            res["fsdp_ep"] = gpu.fsdp_ep_row()
+        except Exception as e:  # reported, not raised: the other figures stand
+            res["fsdp_ep"] = {"layout": "fsdp+ep", "world": 2, "error": str(e)[-500:]}
+    log("")
+    log(table(res))
+    return res
+
+
+def row_name(row: dict) -> str:
+    """A gpu-check row's stage name: ``relu_compiled_inductor_capacity_mb16x4_fused_chunk4096``
+    (``row``: router, backend, plan, capture_dynamic, micro_batch, grad_accum, adamw,
+    loss_chunk)."""
+    name = row["router"] + (f"_compiled_{row['backend']}" if row["backend"] else "_eager")
+    if row["router"] != "dense":
+        name += f"_{row['plan']}" + ("_captured" if row["capture_dynamic"] else "")
+    name += f"_mb{row['micro_batch']}x{row['grad_accum']}"
+    if row["adamw"] != "auto":
+        name += f"_{row['adamw']}"
+    if row["loss_chunk"]:
+        name += f"_chunk{row['loss_chunk']}"
+    for option in row.get("step_options", ()):
+        name += f"_{option}"
+    return name
+
+
+def _row_label(r: dict) -> str:
+    name = r["router"] + (", compiled" if r.get("compiled") else "")
+    if r["router"] != "dense" and r.get("plan", "exact") != "exact":
+        name += f", {r['plan']} plan"
+    if r.get("capture_dynamic"):
+        name += ", nonzero captured"
+    if r.get("adamw", "auto") != "auto":
+        name += f", {r['adamw']} AdamW"
+    if r.get("loss_chunk"):
+        name += f", loss chunk {r['loss_chunk']}"
+    for option in r.get("step_options", ()):
+        name += f", {option.replace('_', ' ')}"
+    return name
+
+
+def table(res: dict) -> str:
+    """The markdown table docs/SCALING.md publishes, then ReLU against TopK at the same micro
+    batch, accumulation and compile setting: tokens/s and per active (token, expert) pair."""
+    head = ("| device | preset | row | mb x accum | tokens/s | pairs/token | MFU (data sheet) | "
+            "MFU (matmul) | peak GiB | syncs/step (fwd/bwd/step) |")
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in res["rows"]:
+        lines.append(f"| {r['device']} | {r['preset']} | {_row_label(r)} | "
+                     f"{r['micro_batch']} x {r.get('grad_accum', 1)} | {r['tokens_per_s']:,.0f} | "
+                     f"{f(r.get('pairs_per_token'), '.3f')} | {f(r['mfu'], '.1%')} | "
+                     f"{f(r['mfu_vs_matmul'], '.1%')} | {f(r['peak_mem_gib'], '.1f')} | "
+                     f"{r['syncs_per_step']} ({r['syncs_forward']}/{r['syncs_backward']}/"
+                     f"{r['syncs_step']}) |")
+    ratios = relu_vs_topk(res["rows"])
+    if ratios:
+        lines += ["", "| ReLU row | vs TopK row | tokens/s ratio | per active pair | pairs/token "
+                  "ReLU / TopK |", "|---|---|---:|---:|---:|"]
+        for q in ratios:
+            lines.append(f"| {q['relu']} | {q['topk']} | {q['tokens_ratio']:.3f} | "
+                         f"{q['pair_ratio']:.3f} | {q['pairs_relu']:.3f} / {q['pairs_topk']:.3f} |")
+    fe = res.get("fsdp_ep")
+    if fe is None:
+        lines.append("\nFSDP+EP, 2 processes: not run (fewer than 2 GPUs)")
+    elif "error" in fe:
+        lines.append(f"\nFSDP+EP, 2 processes: FAILED: {fe['error']}")
+    else:
+        lines.append(f"\nFSDP+EP, 2 processes (micro model, NCCL): {fe['tokens_per_s']:,.0f} "
+                     f"tokens/s")
+    return "\n".join(lines)
+
+
+def relu_vs_topk(rows: list[dict]) -> list[dict]:
+    """Each ReLU row against the TopK row of the same micro batch, accumulation, compile
+    setting, AdamW, loss chunk and step options (the defaults when no TopK row has the same
+    options): the tokens/s ratio and the ratio of (token, expert) pairs per second, which holds
+    the comparison at equal work when the pairs per token differ."""
+    def key(r, full=True):
+        base = (r["micro_batch"], r.get("grad_accum", 1), r.get("compiled"))
+        return base + ((r.get("adamw", "auto"), r.get("loss_chunk", 0),
+                        tuple(r.get("step_options", ()))) if full else ())
+
+    topk = {key(r): r for r in rows if r["router"] == "topk"}
+    plain = {key(r, False): r for r in rows if r["router"] == "topk"
+             and r.get("adamw", "auto") == "auto" and not r.get("loss_chunk")
+             and not r.get("step_options")}
+    out = []
+    for r in rows:
+        if r["router"] != "relu":
+            continue
+        t = topk.get(key(r)) or plain.get(key(r, False))
+        if t is None or not r.get("pairs_per_token") or not t.get("pairs_per_token"):
+            continue
+        tok = r["tokens_per_s"] / t["tokens_per_s"]
+        out.append({"relu": _row_label(r), "topk": _row_label(t), "tokens_ratio": tok,
+                    "pair_ratio": tok * r["pairs_per_token"] / t["pairs_per_token"],
+                    "pairs_relu": r["pairs_per_token"], "pairs_topk": t["pairs_per_token"],
+                    "micro_batch": r["micro_batch"], "grad_accum": r.get("grad_accum", 1)})
+    return out
 
 
 def _error(e: BaseException) -> str:
@@ -227,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="no new row starts after this many seconds (default 400)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print(NO_CUDA.format(torch=torch.__version__))
+        print(NO_CUDA.format(what="gpu check", torch=torch.__version__))
         return 0
     out_dir = args.out_dir or Path(os.environ.get("OUT") or "bench_results")
     res = run_check(torch.device("cuda"), out_dir, steps=args.steps, warmup=args.warmup,

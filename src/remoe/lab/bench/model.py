@@ -27,7 +27,7 @@ from remoe.lab.bench.layer import force_relu_density
 from remoe.model.config import ReMoEConfig
 from remoe.model.llama import ReMoEForCausalLM
 from remoe.model.moe import MoELayer
-from remoe.method.losses import step_statistics, total_loss
+from remoe.method.sparsity import step_statistics, total_loss
 from remoe.method.sparsity import build_controller
 from remoe.train.optim import clip_gradients
 
@@ -89,7 +89,7 @@ def _train_step(model, opt, ids, lam: float, step: int, layer_lams: list[float] 
 
 
 def _sparsity(out) -> float:
-    """S of one forward, as the trainer computes it (:func:`remoe.method.losses.step_statistics`)."""
+    """S of one forward, as the trainer computes it (:func:`remoe.method.sparsity.step_statistics`)."""
     return step_statistics(out.aux.active_counts_LN, out.aux.num_tokens).sparsity
 
 

@@ -79,8 +79,8 @@ def model_of_source(study, r, cfg: dict) -> dict:
 def dry_run(study, log=print, gflops: float | None = None) -> dict:
     """Print the runs and the estimated CPU time; returns the totals."""
     from remoe.lab.study import estimate
-    from remoe.lab.study.children import read_json, same_experiment
-    from remoe.lab.study.runconfig import apply_stop
+    from remoe.lab.study.runner import cores
+    from remoe.lab.study.runs import apply_stop, read_json, same_experiment
 
     if gflops is not None and not gflops > 0:
         raise ConfigError(f"--gflops={gflops} must be > 0")
@@ -127,12 +127,9 @@ def dry_run(study, log=print, gflops: float | None = None) -> dict:
         log(f"{r.name:<{w}}  {state:<6}  {steps if steps is not None else '?':>6}  {flops:>9.3g}  "
             f"{_fmt_s(secs) if state not in ('done', 'reuse') else '-':>9}  {r.describe_stop()}; "
             f"{r.describe_overrides() or '-'}")
-    import os
-
-    cores = len(os.sched_getaffinity(0))
-    wall = total_s / min(study.jobs, cores)
+    wall = total_s / min(study.jobs, cores())
     log(f"total to run: {total_flops:.3g} FLOPs, estimated {_fmt_s(total_s)} of CPU "
-        f"(~{_fmt_s(wall)} wall with --jobs {study.jobs} on {cores} cores); "
+        f"(~{_fmt_s(wall)} wall with --jobs {study.jobs} on {cores()} cores); "
         f"{'probe' if measured else 'given'} {gflops:.1f} GFLOP/CPU-s x efficiency "
         f"{estimate.EFFICIENCY} + {estimate.RUN_OVERHEAD_CPU_S:.0f} CPU-s per run "
         "(remoe.lab.study.estimate)")

@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from remoe.lab.analysis.report_facts import num
-from remoe.lab.analysis.report_html import md_table
+from remoe.lab.analysis.report_html import md_table, num
 from remoe.lab.study.spec import StudySpec
 
 
@@ -43,7 +42,7 @@ def total_flops(spec: StudySpec, name: str, flops_of: Callable[[str], float | No
 def continued_row(run_dir) -> dict[str, Any]:
     """The figures of the module docstring for one finished run directory (or its committed
     copy)."""
-    from remoe.lab.analysis.inactive import inactive_threshold
+    from remoe.lab.analysis.common import inactive_threshold
     from remoe.lab.analysis.runlog import as_run, load_masks, run_json
     from remoe.method.stages import detect_stages
 

@@ -11,7 +11,7 @@ spans of steps; per span, from ``metrics.jsonl``:
 * ``dead`` per layer: the mean of ``dead_experts`` (experts of the layer with no token in a
   step);
 * ``inactive``: experts (all layers) under a quarter of their fair share k/E of the tokens
-  (:func:`remoe.lab.analysis.inactive.inactive_threshold`) on the calibration-set masks
+  (:func:`remoe.lab.analysis.common.inactive_threshold`) on the calibration-set masks
   recorded last in the span (``routing/masks_*.npz``), when masks were recorded.
 
 Dense and fixed-k runs get the rows too (no lambda, sparsity constant), so that dead and
@@ -24,13 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from remoe.lab.analysis.report_facts import num
-from remoe.lab.analysis.report_html import md_table
+from remoe.lab.analysis.report_html import md_table, num
 
 
 def windows(run_dir, n: int = 6) -> list[dict[str, Any]]:
     """Per window of steps: the figures of the module docstring ([] without metrics)."""
-    from remoe.lab.analysis.inactive import inactive_threshold
+    from remoe.lab.analysis.common import inactive_threshold
     from remoe.lab.analysis.runlog import as_run, load_masks
 
     run = as_run(run_dir)  # a Run or its directory

@@ -19,7 +19,7 @@ Per run, from its directory (``summary.json``, ``eval.jsonl``, ``metrics.jsonl``
   got no token in the step, over those steps and the layers).
 * ``inactive_experts``: experts (over all layers) that received fewer than a quarter of their
   fair share k/E of the tokens (the ``remoe analyze`` default,
-  :func:`remoe.lab.analysis.inactive.inactive_threshold`; ``1/(4E)`` for k = 1), counted on
+  :func:`remoe.lab.analysis.common.inactive_threshold`; ``1/(4E)`` for k = 1), counted on
   the run's last recorded calibration-set routing masks (``inactive_source = masks@<step>``);
   without masks, from ``expert_counts`` in metrics.jsonl summed over the last 10% of steps
   (``inactive_source = expert_counts``). ``num_experts_total`` = layers x E*G.
@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 
 from remoe.fileio import atomic_write_text
-from remoe.lab.analysis.report_facts import is_number
-from remoe.lab.analysis.report_html import md_table
+from remoe.lab.analysis.report_html import is_number, md_table
 from remoe.lab.analysis.runlog import run_has, run_json
 from remoe.lab.study.spec import StudySpec
 
@@ -114,7 +113,7 @@ def lambda_amplitude(records: list[dict[str, Any]], settle_step: int) -> float |
 
 def run_row(run_dir) -> dict[str, Any]:
     """The numbers of one finished run (a Run or its directory; see the module docstring)."""
-    from remoe.lab.analysis.inactive import inactive_threshold
+    from remoe.lab.analysis.common import inactive_threshold
     from remoe.lab.analysis.runlog import as_run
     from remoe.method.stages import detect_stages
 

@@ -30,15 +30,14 @@ from typing import Any, Callable
 import yaml
 
 from remoe.errors import ConfigError
+from remoe.experiment import load_config
 from remoe.lab.analysis.runlog import Run, run_has, run_json
 from remoe.lab.study.archive import committed_dir, export_run, up_to_date
 from remoe.fileio import atomic_write_text
-from remoe.lab.study.children import (config_diff, default_command, die_with_parent,
-                                      eval_command, eval_done, read_json, same_experiment, tail)
-from remoe.lab.study.reuse import adopt_identical, finished_runs
-from remoe.lab.study.runconfig import apply_stop, load_run_config
-from remoe.lab.study.runstate import RunState, add_wall, last_write
-from remoe.lab.study.runspec import RunSpec
+from remoe.lab.study.runs import (RunSpec, RunState, add_wall, adopt_identical, apply_stop,
+                                  config_diff, default_command, die_with_parent, eval_command,
+                                  eval_done, finished_runs, last_write, read_json, same_experiment,
+                                  tail)
 from remoe.lab.study.spec import StudySpec
 
 STATE_FILE = "study.json"
@@ -302,7 +301,7 @@ class Study:
             return
         seen = set()
         for r in todo:
-            exp = load_run_config(self.full_config(r))
+            exp = load_config(self.full_config(r))
             key = json.dumps(exp.to_dict()["data"], sort_keys=True)
             if key in seen:
                 continue
