@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from remoe.data.builtin import austen_db_base, read_austen_books
-from remoe.data.rfiles import read_lazyload_db, read_rds
+from remoe.data.rserialize import read_lazyload_db, read_rds
 from remoe.data.rserialize import INTSXP, LISTSXP, STRSXP, VECSXP, RFormatError, unserialize
 
 # -- a tiny hand-written XDR serializer (only what the tests need) -----------------------------

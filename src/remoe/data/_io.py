@@ -1,9 +1,11 @@
-"""Small file helpers of the data pipeline: hashing, stable hashes, a source file's change.
+"""Small file helpers of the data pipeline: hashing, stable hashes, build keys, a source file's
+change.
 (Atomic writes: :mod:`remoe.fileio`.)"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -60,3 +62,8 @@ def file_change(entry: dict[str, Any], *, full: bool) -> str | None:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def stage_key(obj: Any) -> str:
+    """A build key: the sha256 of the canonical JSON of what the build depends on."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8"))

@@ -203,7 +203,7 @@ def austen_db_base() -> Path | None:
 
 def read_austen_books(base: Path | None = None) -> dict[str, list[str]]:
     """The novels of ``janeaustenr`` as ``{variable name: lines}`` (NA lines become "")."""
-    from remoe.data.rfiles import read_lazyload_db
+    from remoe.data.rserialize import read_lazyload_db
     from remoe.data.rserialize import STRSXP, RObject
 
     base = base or austen_db_base()
@@ -232,7 +232,7 @@ def list_austen() -> list[Candidate] | None:
         return load
 
     # the variable names are known from the (tiny) index without decompressing the books
-    from remoe.data.rfiles import read_rds
+    from remoe.data.rserialize import read_rds
 
     index = read_rds(base.with_name(base.name + ".rdx")).to_dict()
     names = sorted(index["variables"].to_dict())

@@ -17,7 +17,7 @@ from remoe.data.documents import SPLITS, Document
 from remoe.data.errors import DataError, DataNotFoundError
 from remoe.data.sampler import TrainBatches, eval_batches
 from remoe.data.shardstore import ShardedStore
-from remoe.data.store import Batch
+from remoe.data.shardstore import Batch
 
 log = logging.getLogger("remoe.data")
 

@@ -33,9 +33,8 @@ from remoe.data.cachelock import (LOCK_FILE, NOT_WRITABLE, live_readers, locked,
 from remoe.data.config import DEFAULT_CACHE_DIR, DataConfig
 from remoe.data.errors import DataError, DataNotFoundError
 from remoe.data.shards import DEFAULT_SHARD_BYTES
-from remoe.data.manifest import TOKENIZER_FILE
-from remoe.data.streambuild import (MIN_FREQUENCY, STORE_DIR, TOKENIZER_ALGO, build_store,
-                                    finished_manifest, verify_store)
+from remoe.data.streambuild import (MIN_FREQUENCY, STORE_DIR, TOKENIZER_ALGO, TOKENIZER_FILE,
+                                    build_store, finished_manifest, verify_store)
 
 __all__ = [  # the names this module has always offered (some now live in the modules above)
     "DataBundle", "LOCK_FILE", "MIN_FREQUENCY", "TOKENIZER_ALGO", "TOKENIZER_FILE",

@@ -22,7 +22,7 @@ import torch
 
 from remoe.data.errors import DataError
 from remoe.data.shardstore import ShardedStore
-from remoe.data.store import Batch, ChunkTable
+from remoe.data.shardstore import Batch, ChunkTable
 
 
 class TrainBatches:

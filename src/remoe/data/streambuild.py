@@ -32,7 +32,7 @@ from typing import Any, Callable
 from tokenizers import Tokenizer
 
 from remoe.data import tokenizer as _tok
-from remoe.data._io import sha256_bytes, sha256_file, stable_unit
+from remoe.data._io import sha256_bytes, sha256_file, stable_unit, stage_key
 from remoe.fileio import atomic_write_json, read_json
 from remoe.data.config import DEFAULT_TOKENIZER_TRAIN_BYTES, DataConfig
 from remoe.data.corpus import parse_source
@@ -40,7 +40,6 @@ from remoe.data.docstream import stream_documents
 from remoe.data.documents import SPLITS
 from remoe.data.errors import DataError
 from remoe.data.leftovers import discard, sweep
-from remoe.data.manifest import stage_key
 from remoe.data.megatron import external_entries, external_problem, megatron_prefixes
 from remoe.data.plan import build_plan, load_plan
 from remoe.data.shardindex import write_split_index
@@ -48,12 +47,13 @@ from remoe.data.shards import DEFAULT_SHARD_BYTES, build_shards, iter_units, rea
 from remoe.data.shardstore import file_problem
 from remoe.data.sourcecheck import (canonical_sources, check_token_ids, record_sources,
                                     source_changes, source_files)
-from remoe.data.store import token_dtype
+from remoe.data.shardstore import token_dtype
 
 STORE_DIR = "store-v2"
 STORE_FORMAT = "remoe-shards/1"
 MIN_FREQUENCY = 2
 TOKENIZER_ALGO = "bytelevel-bpe/1"
+TOKENIZER_FILE = "tokenizer.json"  # the store's tokenizer, beside its manifest
 SOURCES_FILE = "sources.json"  # <key16>/: what the build was taken from (remoe.data.sourcecheck)
 
 log = logging.getLogger("remoe.data")
@@ -184,7 +184,7 @@ def _listed_files(store: Path, m: dict[str, Any]) -> tuple[Path, dict[str, Any]]
 
 def all_files(m: dict[str, Any]) -> dict[str, Any]:
     files = {f"shards/{k}": v for k, v in m["shards"].items()}
-    files["tokenizer.json"] = {"sha256": m["tokenizer"]["sha256"], "bytes": m["tokenizer"]["bytes"]}
+    files[TOKENIZER_FILE] = {"sha256": m["tokenizer"]["sha256"], "bytes": m["tokenizer"]["bytes"]}
     for s in SPLITS:
         files.update(m["tokens"]["splits"][s]["files"])
     return files
@@ -204,7 +204,7 @@ def _docs(cfg: DataConfig, root: Path, found: dict | None = None, *, plan: bool 
 
 def _tokenizer(cfg: DataConfig, root: Path, plan: dict[str, Any], labels, say: Callable,
                progress: bool) -> Tokenizer:
-    path = root / "tokenizer.json"
+    path = root / TOKENIZER_FILE
     if cfg.tokenizer is not None:
         tok = _tok.load_tokenizer(Path(cfg.tokenizer))
         _tok.save_tokenizer(tok, path)
@@ -349,8 +349,8 @@ def build_store(cfg: DataConfig, cache: Path, say: Callable[[str], None], progre
                     "shard_bytes": shard_bytes},
          "corpus": {"splits": plan["splits"], "sources_used": plan["sources_used"],
                     "sources_missing": plan["sources_missing"], "licences": plan["licences"]},
-         "tokenizer": {"sha256": sha256_file(root / "tokenizer.json"),
-                       "bytes": (root / "tokenizer.json").stat().st_size,
+         "tokenizer": {"sha256": sha256_file(root / TOKENIZER_FILE),
+                       "bytes": (root / TOKENIZER_FILE).stat().st_size,
                        "source": (f"loaded from {cfg.tokenizer}" if cfg.tokenizer
                                   else f"trained (byte-level BPE, vocab {cfg.vocab_size})"),
                        "vocab_size": vocab, "eos_token": eos[0], "eos_id": eos[1]},
@@ -412,7 +412,7 @@ def train_documents(root: Path, domain: str | None = None) -> list:
     c = m["config"]
     cfg = DataConfig(sources=c["sources"], max_bytes_per_domain=c["max_bytes_per_domain"])
     _, labels = loaded
-    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(root / TOKENIZER_FILE))
     out: list[Document] = []
     for i, d in enumerate(_docs(cfg, root)):
         if labels[i] != 0 or (domain is not None and d.domain != domain):

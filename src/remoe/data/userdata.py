@@ -1,4 +1,5 @@
-"""User corpora: directories or files of ``.txt`` and Pile-format ``.jsonl`` / ``.jsonl.zst``.
+"""User corpora: directories or files of ``.txt``, Pile-format ``.jsonl`` / ``.jsonl.zst`` and
+Parquet.
 
 * ``.txt``: one document per file; its domain is the name given in the source spec
   (``NAME=PATH``) or else the file's parent directory name.
@@ -6,6 +7,11 @@
   ``{"text": ..., "meta": {"pile_set_name": ...}}``: a record's set name is its domain (so
   ``pile=train.jsonl.zst`` keeps the Pile's domains); a record without one gets the name given
   in the spec, else ``"unknown"``.
+* ``.parquet`` (what Hugging Face ``datasets`` stores, streamed with ``pyarrow`` in record
+  batches, so memory does not grow with the file): one document per row; the text column is
+  ``text`` unless the spec names another (``PATH?text=content``); the domain is the spec's
+  ``NAME=``, else the value of a column the spec names (``?domain=source``), else
+  ``unknown``. Keys are ``<file key>:<row>``.
 
 Bad input is never used silently: a binary ``.txt`` or a truncated/corrupt compressed file is
 a :class:`~remoe.data.errors.DataError` naming the file; skipped records, invalid UTF-8 and
@@ -291,8 +297,6 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
         if p.name.lower().endswith(JSONL_SUFFIXES):
             yield from read_jsonl(p, domain=domain, key_prefix=rel, warn=warn)
         elif p.name.lower().endswith(PARQUET_SUFFIXES):
-            from remoe.data.parquet import read_parquet
-
             yield from read_parquet(p, domain, rel, options or {})
         elif p.name.lower().endswith(TEXT_SUFFIXES):
             n_txt += 1
@@ -304,3 +308,39 @@ def read_user_source(path: str | os.PathLike[str], domain: str | None = None,
     if stats.get("latin1"):
         warn("data source %s: %d of %d .txt files are not valid UTF-8 and were read as "
                     "Latin-1", root, stats["latin1"], n_txt)
+
+
+_ROWS_PER_BATCH = 1024
+
+
+def read_parquet(path: Path, domain: str | None, key_prefix: str,
+                 options: dict[str, str]) -> Iterator[Document]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - pyarrow is a dependency
+        raise DataError(f"reading {path} needs the pyarrow package (pip install pyarrow)") from e
+    text_col = options.get("text", "text")
+    dom_col = options.get("domain")
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    names = f.schema_arrow.names
+    for col, what in ((text_col, "text"), (dom_col, "domain")):
+        if col is not None and col not in names:
+            raise DataError(f"{path}: no column {col!r} for the {what} (columns: "
+                            f"{', '.join(names)}); name it with ?{what}=COLUMN")
+    cols = [text_col] + ([dom_col] if dom_col and dom_col != text_col else [])
+    row = 0
+    try:
+        for batch in f.iter_batches(batch_size=_ROWS_PER_BATCH, columns=cols):
+            texts = batch.column(text_col).to_pylist()
+            doms = batch.column(dom_col).to_pylist() if dom_col else None
+            for k, text in enumerate(texts):
+                if isinstance(text, str):
+                    dom = domain or (str(doms[k]) if doms and doms[k] is not None else "unknown")
+                    yield Document(dom, f"{key_prefix}:{row}", normalize_text(text))
+                row += 1
+    except OSError as e:
+        raise DataError(f"{path}: corrupt or truncated Parquet data after {row:,} rows: {e}"
+                        ) from None
