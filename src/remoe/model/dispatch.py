@@ -333,7 +333,8 @@ class FusedExpertsFn(torch.autograd.Function):
         x_TD = x_TD.contiguous()
         flat_P = plan.token_idx_P * N + plan.expert_idx_P  # into gates_TN.view(-1)
         gate_R = x_TD.new_zeros(lay.num_rows)
-        gate_R.index_copy_(0, lay.row_P, gates_TN.reshape(-1).index_select(0, flat_P).to(x_TD.dtype))
+        gate_P = gates_TN.reshape(-1).index_select(0, flat_P).to(x_TD.dtype)
+        gate_R.index_copy_(0, lay.row_P, gate_P)
         y_TD = x_TD.new_zeros(T, D)
         h_R2H = x_TD.new_empty(lay.num_rows, 2 * H) if save_h else None
         rows = max((c.r1 - c.r0 for c in lay.chunks), default=0)
