@@ -32,7 +32,8 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 
-# the one definition of the sparsity (also of a training step's, remoe.method.sparsity.step_statistics)
+# the one definition of the sparsity (also of a training step's:
+# remoe.method.sparsity.step_statistics)
 def sparsity_of(counts_LN: Tensor, num_tokens: float) -> Tensor:
     """S = 1 - active pairs / (L * T * N) (paper eq. 7), a 0-d tensor; 0 without MoE layers."""
     L, N = counts_LN.shape

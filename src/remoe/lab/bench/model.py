@@ -89,7 +89,8 @@ def _train_step(model, opt, ids, lam: float, step: int, layer_lams: list[float] 
 
 
 def _sparsity(out) -> float:
-    """S of one forward, as the trainer computes it (:func:`remoe.method.sparsity.step_statistics`)."""
+    """S of one forward, as the trainer computes it
+    (:func:`remoe.method.sparsity.step_statistics`)."""
     return step_statistics(out.aux.active_counts_LN, out.aux.num_tokens).sparsity
 
 
