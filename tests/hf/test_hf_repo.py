@@ -43,6 +43,24 @@ def test_saved_dir_is_a_complete_repo(save_micro):
     assert f"{model.num_parameters(active=True):,} active" in card and "http" not in card
 
 
+def test_bundle_is_generated_from_the_sources_read_at_each_save():
+    """Each save reads the package's sources again; the generation is reused only while they are
+    byte-identical (a source changed mid-run is bundled as it now is)."""
+    from remoe.model import bundle
+
+    snap = bundle._snapshot()
+    a, b = bundle_sources(), bundle_sources()
+    assert a == b and a is not b  # a fresh dict: a caller's edits never reach the next save
+    moe = next(i for i, (name, _, _) in enumerate(snap) if name == "remoe.model.moe")
+    name, src, text = snap[moe]
+    changed = snap[:moe] + ((name, src, text + "\n# edited while running\n"),) + snap[moe + 1:]
+    files = dict(bundle._generate(changed))
+    assert files["remoe_model_moe.py"].endswith("# edited while running\n")
+    assert {k: v for k, v in files.items() if k != "remoe_model_moe.py"} == {
+        k: v for k, v in a.items() if k != "remoe_model_moe.py"}
+    assert dict(bundle._generate(snap)) == a
+
+
 def test_checkpoint_card_has_the_run_numbers(tmp_path, save_micro, tokenizer_path):
     """In a run directory, the card takes steps, tokens, FLOPs, losses per domain and sparsity
     from the run's logs at the checkpoint's step."""
