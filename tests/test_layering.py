@@ -204,9 +204,9 @@ def test_no_router_names_outside_the_model():
 
 def test_the_saved_model_code_is_the_model_package():
     """The bundled code of a saved model is remoe.model's modules plus remoe.errors."""
-    from remoe.model.bundle import _modules
+    from remoe.model.bundle import _modules, _snapshot
 
-    mods = set(_modules())
+    mods = set(_modules({name: text for name, _, text in _snapshot()}))
     assert all(m.startswith("remoe.model.") or m == "remoe.errors" for m in mods), mods
 
 
