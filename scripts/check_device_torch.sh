@@ -4,14 +4,15 @@
 # block graph where this machine's torch 2.13 did not. Downloads that torch's CUDA build (it
 # imports and runs on CPU) with its CUDA libraries into DIR once (~4.6 GB, minutes), then runs
 # the tests with it first on PYTHONPATH. Needs a package registry; nothing else is installed.
-#   scripts/check_device_torch.sh                 # torch 2.11.0 into .remoe_cache/torch-2.11.0
+#   scripts/check_device_torch.sh                 # torch 2.11.0 into ~/.cache/remoe/torch-2.11.0
+# (outside the checkout: 4.6 GB of torch's own code is no part of the project's tree)
 #   TORCH=2.12.0 scripts/check_device_torch.sh    # another version
 #   scripts/check_device_torch.sh -k capacity     # extra arguments go to pytest
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 version="${TORCH:-2.11.0}"
-dir="${DIR:-$root/.remoe_cache/torch-$version}"
+dir="${DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/remoe/torch-$version}"
 py="${PYTHON:-python3}"
 if [ ! -f "$dir/.complete" ]; then
     wheels="$dir.wheels"
