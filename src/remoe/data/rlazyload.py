@@ -27,7 +27,11 @@ _STREAMS = {b"Z": zlib.decompress, b"2": bz2.decompress, b"X": lzma.decompress,
 
 def _parse(data: bytes, where: str) -> Any:
     """One R serialization (compressed or not) as Python values, with a one-line error."""
-    import rdata
+    try:
+        import rdata
+    except ImportError:
+        raise DataError(f"{where}: reading R data needs the rdata package, one of remoe's "
+                        "dependencies: pip install rdata (or reinstall remoe)") from None
 
     try:
         with warnings.catch_warnings():
