@@ -7,7 +7,6 @@ import bz2
 import gzip
 import lzma
 import struct
-import sys
 import zlib
 from pathlib import Path
 
@@ -157,14 +156,6 @@ def test_damaged_database_is_one_line_naming_the_file(tmp_path, damage):
     msg = str(err.value)
     assert "\n" not in msg and str(tmp_path) in msg
     assert ("Rdata.rdx" if damage == "index" else "variable 'x'") in msg
-
-
-def test_missing_rdata_is_one_line(tmp_path, monkeypatch):
-    base = tmp_path / "Rdata"
-    write_lazyload_db(base, {"x": header() + strsxp(["abc"])})
-    monkeypatch.setitem(sys.modules, "rdata", None)  # "import rdata" raises ImportError
-    with pytest.raises(DataError, match="needs the rdata package.*pip install rdata"):
-        read_lazyload_names(base)
 
 
 @pytest.mark.skipif(austen_db_base() is None, reason="r-cran-janeaustenr is not installed")

@@ -27,11 +27,7 @@ _STREAMS = {b"Z": zlib.decompress, b"2": bz2.decompress, b"X": lzma.decompress,
 
 def _parse(data: bytes, where: str) -> Any:
     """One R serialization (compressed or not) as Python values, with a one-line error."""
-    try:
-        import rdata
-    except ImportError:
-        raise DataError(f"{where}: reading R data needs the rdata package, one of remoe's "
-                        "dependencies: pip install rdata (or reinstall remoe)") from None
+    import rdata
 
     try:
         with warnings.catch_warnings():
