@@ -20,7 +20,7 @@ _MODULES = {
     "corpus": "assign_splits iter_documents parse_source split_unit write_documents",
     "documents": "SPLITS Document",
     "pipeline": "DataBundle load_documents load_prepared prepare_data",
-    "rlazyload": "read_lazyload_db",
+    "rserialize": "RFormatError RObject read_lazyload_db read_rds unserialize",
     "sampler": "TrainBatches eval_batches",
     "shardstore": "Batch ChunkTable",
     "tokenizer": "EOS_TOKEN load_hf_tokenizer load_tokenizer save_tokenizer train_tokenizer",

@@ -203,14 +203,17 @@ def austen_db_base() -> Path | None:
 
 def read_austen_books(base: Path | None = None) -> dict[str, list[str]]:
     """The novels of ``janeaustenr`` as ``{variable name: lines}`` (NA lines become "")."""
-    from remoe.data.rlazyload import read_lazyload_db
+    from remoe.data.rserialize import read_lazyload_db
+    from remoe.data.rserialize import STRSXP, RObject
 
     base = base or austen_db_base()
     if base is None:
         raise FileNotFoundError(f"janeaustenr is not installed (apt-get install {AUSTEN_PACKAGE})")
-    return {name: ["" if s is None else str(s) for s in value]
-            for name, value in read_lazyload_db(base).items()
-            if getattr(value, "dtype", None) is not None and value.dtype.kind in "UO"}
+    out = {}
+    for name, obj in read_lazyload_db(base).items():
+        if isinstance(obj, RObject) and obj.sexptype == STRSXP:
+            out[name] = [s if s is not None else "" for s in obj.value]
+    return out
 
 
 def list_austen() -> list[Candidate] | None:
@@ -229,9 +232,10 @@ def list_austen() -> list[Candidate] | None:
         return load
 
     # the variable names are known from the (tiny) index without decompressing the books
-    from remoe.data.rlazyload import read_lazyload_names
+    from remoe.data.rserialize import read_rds
 
-    names = sorted(read_lazyload_names(base))
+    index = read_rds(base.with_name(base.name + ".rdx")).to_dict()
+    names = sorted(index["variables"].to_dict())
     return [Candidate(f"janeaustenr/{n}", loader(n)) for n in names]
 
 
