@@ -125,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         bundle = prepare_data(cfg, progress=not args.quiet, **extra)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"remoe data: error: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"remoe data: error: {e}", file=sys.stderr)
         return 1
     print(bundle.summary())
     return 0
