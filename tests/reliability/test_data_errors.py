@@ -64,6 +64,7 @@ def test_no_documents_is_one_line_naming_the_sources(tmp_path, capsys):
     assert msg.startswith("no documents found") and str(empty) in msg
     rc, err = _cli_data(["--source", str(empty), "--cache-dir", str(tmp_path / "c")], capsys)
     assert rc == 2 and "no documents found" in err and err.count("\n") == 0
+    assert err.startswith("remoe data: error: ")  # the command named, as every command does
 
 
 def test_no_documents_under_remoe_train_is_exit_2_not_a_traceback(tmp_path, capsys):
