@@ -26,7 +26,7 @@ ALLOWED = {
     "data": {"errors", "fileio", "lazy", "safeyaml"},
     "experiment": {"errors", "safeyaml", "configfields", "model", "data"},
     "configfile": {"errors", "experiment"},  # which experiment file a command reads
-    "rundir": {"errors", "model", "data", "experiment"},
+    "rundir": {"errors", "fileio", "model", "data", "experiment"},
     "distributed": {"errors", "model", "rundir"},
     "convert": {"errors", "model", "rundir"},
     "eval": {"errors", "fileio", "model", "method", "data", "rundir", "machine"},

@@ -3,7 +3,8 @@
 JSONL read tolerant of a torn last line and appended in whole lines; and the one-line stderr
 messages of the run directory code (:func:`say`, :func:`warn`).
 
-A low module: the standard library and :mod:`remoe.errors` only. See :mod:`remoe.rundir`.
+A low module: the standard library, :mod:`remoe.errors` and :mod:`remoe.fileio` only. See
+:mod:`remoe.rundir`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from remoe import fileio
 from remoe.errors import ConfigError
 
 _DISK_FULL_TEXT = ("no space left", "storagefull", "os error 28", "disk quota")
@@ -127,15 +129,10 @@ def fsync_tree(root: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``path`` through a temporary sibling and an atomic rename; durable on return
-    (the data is fsync'ed before the rename, the directory after it)."""
-    tmp = temp_path(path)
-    with writing(path, cleanup=tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    """:func:`remoe.fileio.atomic_write_text`, durable on return (the directory is fsync'ed
+    after the rename), a full disk reported as :class:`DiskFullError`."""
+    with writing(path):
+        fileio.atomic_write_text(path, text)
         fsync_dir(path.parent)
 
 

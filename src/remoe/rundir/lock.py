@@ -21,8 +21,8 @@ from remoe.errors import ConfigError
 from remoe.rundir.files import say, warn, writing
 
 LOCK_FILE = ".lock"
-# what an interrupted write leaves behind: .step_*.tmp<pid>, .final.tmp<pid>, .<file>.tmp<pid>,
-# .masks_<step>.npz.<random>.tmp (remoe.fileio), .step_*.tmp-delete (a prune in progress)
+# what an interrupted write leaves behind: .step_*.tmp<pid>, .final.tmp<pid>, .<file>.<random>.tmp
+# (remoe.fileio; .<file>.tmp<pid> before it), .step_*.tmp-delete (a prune in progress)
 _TEMP_RE = re.compile(r"^\..+\.tmp")
 
 
