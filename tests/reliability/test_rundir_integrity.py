@@ -137,5 +137,6 @@ def test_checkpoint_metrics_and_latest_are_fsynced_in_order(tmp_path, train_argv
     assert metrics and metrics[0] < tmp_ckpt[0]  # the lines a resume keeps, before the checkpoint
     root_after = [i for i, p in enumerate(calls) if p == ck and i > tmp_ckpt[-1]]
     assert root_after  # the rename into checkpoints/ is durable
-    latest = [i for i, p in enumerate(calls) if p.startswith(f"{ck}/.LATEST.tmp")]
+    latest = [i for i, p in enumerate(calls)  # .LATEST.<random>.tmp (remoe.fileio)
+              if p.startswith(f"{ck}/.LATEST.") and p.endswith(".tmp")]
     assert latest and latest[0] > root_after[0]
