@@ -173,6 +173,14 @@ def test_gpu_suite_cpu_path_runs_without_the_optional_packages_or_an_install(sta
             for cat, names in top.items():  # (each name's ms rounded to 0.001)
                 assert (sum(ms for _, ms in names)
                         <= row["profile"]["by_category_ms"][cat] + 5e-4 * len(names))
+    # what the host launches itself: ReLU on the capacity plan calls TopK's compiled graphs as
+    # often (one per block and micro-batch) and adds a little eager glue beside them
+    profiled = {r["router"]: r for r in rows.values() if r["profile"] is not None}
+    assert set(profiled) == {"topk", "relu", "dense"}, profiled
+    prof = {k: r["profile"] for k, r in profiled.items()}
+    blocks = profiled["topk"]["moe_layers"] * profiled["topk"]["grad_accum"]
+    assert prof["relu"]["compiled_calls"] == prof["topk"]["compiled_calls"] == blocks > 0
+    assert prof["relu"]["host_ops"] <= 1.25 * prof["topk"]["host_ops"]
     assert sum(r["step_options"] == ["prefetch", "cast_experts_once"] for r in rows.values()) == 2
     assert sum(r["step_options"] == ["compile_loss"] for r in rows.values()) == 2
     ratios = check["relu_vs_topk"]

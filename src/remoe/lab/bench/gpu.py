@@ -27,6 +27,7 @@ dtypes, the on-device dispatch plan, the table) is exercised on CPU by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import re
@@ -274,7 +275,11 @@ def profile_step(t, device: torch.device) -> dict:
     """One trainer step under ``torch.profiler``: device time by :func:`kernel_category` (ms),
     the time some kernel ran (``busy_ms``) and the step's wall time; ``idle_ms`` = wall - busy
     (the device waiting for the host: launches, syncs, Python). On CPU the same from the
-    operators' self time (the logic; the figures that matter are CUDA's)."""
+    operators' self time (the logic; the figures that matter are CUDA's). What the host
+    launches itself in the step: ``host_ops`` operators outside every compiled graph (the
+    eager glue: loss and statistics sums, casts, the optimizer's), the commonest by name, and
+    ``compiled_calls`` calls into compiled graphs (forward; one per block and micro-batch
+    without a graph break)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -305,9 +310,15 @@ def profile_step(t, device: torch.device) -> dict:
         by[cat] = by.get(cat, 0.0) + ms
         if len(top.setdefault(cat, [])) < TOP_KERNELS:
             top[cat].append([name[:160], round(ms, 3)])
+    # what the host launches itself: operators outside every compiled graph (a compiled
+    # graph's operators nest inside its region event) and the calls into compiled graphs
+    outer = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    ops = collections.Counter(e.name for e in outer if e.name.startswith("aten::"))
     return {"wall_ms": wall_ms, "busy_ms": busy, "idle_ms": max(0.0, wall_ms - busy),
             "by_category_ms": dict(sorted(by.items(), key=lambda kv: -kv[1])),
             "top_kernels": top,
+            "host_ops": sum(ops.values()), "host_ops_top": ops.most_common(TOP_KERNELS),
+            "compiled_calls": sum(e.name.startswith("Torch-Compiled Region") for e in outer),
             "source": "cuda kernels" if cuda else "cpu operators (self time)"}
 
 

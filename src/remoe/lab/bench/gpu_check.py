@@ -207,7 +207,8 @@ def run_check(device: torch.device, out_dir: Path, preset: str = "small", seq_le
             p = res["profile"]
             cats = ", ".join(f"{k} {v:.1f}" for k, v in p["by_category_ms"].items())
             rec.log(f"[{name}] profile of one step: wall {p['wall_ms']:.1f} ms, busy "
-                    f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}")
+                    f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}; the host launched "
+                    f"{p['host_ops']} operators outside {p['compiled_calls']} compiled calls")
     rec.res["elapsed_s"] = time.perf_counter() - t0
     rec.res["relu_vs_topk"] = relu_vs_topk(done)
     rec.save("table", table({"rows": done, "fsdp_ep": None}))
