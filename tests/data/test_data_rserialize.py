@@ -135,6 +135,8 @@ def test_truncated_or_foreign_data_raises():
         unserialize(good[:-2])
     with pytest.raises(RFormatError):
         unserialize(b"A\n" + good[2:])
+    with pytest.raises(RFormatError, match="SEXP type 4 "):  # an environment: not a data vector
+        unserialize(header() + i32(4) + i32(0) + i32(254) * 4)
 
 
 @pytest.mark.parametrize("compressed", [1, 2])

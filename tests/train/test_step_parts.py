@@ -11,7 +11,7 @@ from remoe.method.sparsity import step_statistics
 from remoe.model import ReMoEForCausalLM
 from remoe.train.control import StepControl, StepSums
 from remoe.train.metrics import ProgressLines
-from remoe.train.optim import TrainingDiverged, apply_gradients, check_finite_losses
+from remoe.train.optim import TrainingDiverged, check_finite_losses, finish_and_clip, update
 
 
 def test_step_statistics_by_hand():
@@ -97,10 +97,11 @@ def test_divergence_stops_and_drops_the_gradients(tmp_path):
     model(torch.full((1, 3), float("inf"))).sum().backward()
     before = model.weight.detach().clone()
     with pytest.raises(TrainingDiverged, match="gradient norm became non-finite at step 8"):
-        apply_gradients(opt, model, 1.0, 7, tmp_path)
+        update(opt, float(finish_and_clip(model, 1.0)), 7, tmp_path)
     assert torch.equal(model.weight, before) and model.weight.grad is None
     model(torch.ones(1, 3)).sum().backward()
-    norm = apply_gradients(opt, model, 0.5, 8, tmp_path)
+    norm = float(finish_and_clip(model, 0.5))
+    update(opt, norm, 8, tmp_path)
     assert norm == pytest.approx(8 ** 0.5)  # the norm before clipping: ones on 6 + 2 entries
     assert not torch.equal(model.weight, before)
 

@@ -17,7 +17,7 @@ from remoe.lazy import lazy_names
 _MODULES = {
     "builtin": "BUILTIN_DOMAINS BUILTIN_SOURCES read_austen_books",
     "config": "DEFAULT_CACHE_DIR DataConfig",
-    "corpus": "assign_splits iter_documents parse_source split_unit write_documents",
+    "corpus": "assign_splits iter_documents parse_source split_unit",
     "documents": "SPLITS Document",
     "pipeline": "DataBundle load_documents load_prepared prepare_data",
     "rserialize": "RFormatError RObject read_lazyload_db read_rds unserialize",

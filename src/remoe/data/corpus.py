@@ -25,10 +25,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from remoe.data._io import stable_unit
-from remoe.fileio import atomic_open
 from remoe.data.builtin import BUILTIN_DOMAINS
 from remoe.data.documents import SPLITS, Document
 
@@ -117,16 +116,9 @@ def assign_splits(docs: dict[str, list[Document]], val_fraction: float,
 # -- persistence ----------------------------------------------------------------------------
 
 
-def write_documents(path: str | Path, docs: Iterable[Document]) -> None:
-    """Write documents as Pile-format JSONL (``meta.pile_set_name`` = domain, ``meta.key``)."""
-    with atomic_open(path, "wb") as f:
-        for d in docs:
-            rec = {"text": d.text, "meta": {"pile_set_name": d.domain, "key": d.key}}
-            f.write(json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n")
-
-
 def iter_documents(path: str | Path, domain: str | None = None) -> Iterator[Document]:
-    """Read back :func:`write_documents` output, optionally one domain only."""
+    """Read Pile-format JSONL (``meta.pile_set_name`` = domain, ``meta.key``), optionally one
+    domain only."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():

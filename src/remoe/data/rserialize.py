@@ -8,45 +8,29 @@ optionally gzip/bzip2/xz-compressed serialization) holding a named list
 followed by a zlib stream (``compressed=TRUE``) -- or, for ``compressed`` 2/3, a type byte and a
 bzip2/xz stream -- of one serialized object.
 
-Only the XDR ("X\\n") serialization, versions 2 and 3, is read. Vectors (logical, integer,
-double, complex, character, raw, list), pairlists, symbols, references and environments are
-decoded; closures, language objects and the like are decoded structurally so that a data
-object containing them still parses. Byte code is not supported (:class:`RFormatError`).
+Only what data sets of plain vectors need is read: the XDR ("X\\n") serialization, versions 2
+and 3; logical, integer, double, character and list vectors with their attributes; pairlists,
+symbols, references, and the compact/wrapper ALTREP forms R writes for such vectors. Anything
+else (environments, closures, byte code, ...) raises :class:`RFormatError` naming its type.
 """
 
 from __future__ import annotations
 
 import bz2
+import codecs
 import gzip
 import lzma
-import math
 import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# SEXP types
-NILSXP, SYMSXP, LISTSXP, CLOSXP, ENVSXP, PROMSXP, LANGSXP = 0, 1, 2, 3, 4, 5, 6
-SPECIALSXP, BUILTINSXP, CHARSXP, LGLSXP, INTSXP, REALSXP = 7, 8, 9, 10, 13, 14
-CPLXSXP, STRSXP, DOTSXP, VECSXP, EXPRSXP, BCODESXP = 15, 16, 17, 19, 20, 21
-EXTPTRSXP, WEAKREFSXP, RAWSXP, S4SXP = 22, 23, 24, 25
-# pseudo types used only in serialized streams
-REFSXP, NILVALUE_SXP, GLOBALENV_SXP, UNBOUNDVALUE_SXP = 255, 254, 253, 252
-MISSINGARG_SXP, BASENAMESPACE_SXP, NAMESPACESXP, PACKAGESXP = 251, 250, 249, 248
-PERSISTSXP, CLASSREFSXP, GENERICREFSXP, BCREPDEF = 247, 246, 245, 244
-EMPTYENV_SXP, BASEENV_SXP, ATTRLANGSXP, ATTRLISTSXP, ALTREP_SXP = 242, 241, 240, 239, 238
+# SEXP types read here (R's Rinternals.h), and the serialization's pseudo types
+SYMSXP, LISTSXP, CHARSXP, LGLSXP, INTSXP, REALSXP, STRSXP, VECSXP = 1, 2, 9, 10, 13, 14, 16, 19
+REFSXP, NILVALUE_SXP, ATTRLISTSXP, ALTREP_SXP = 255, 254, 239, 238
 
 _NA_INT = -(2**31)
-_PAIRLIST_TYPES = (LISTSXP, LANGSXP, CLOSXP, PROMSXP, DOTSXP, ATTRLANGSXP, ATTRLISTSXP)
-_SPECIAL_VALUES = {
-    GLOBALENV_SXP: "R_GlobalEnv",
-    UNBOUNDVALUE_SXP: "R_UnboundValue",
-    MISSINGARG_SXP: "R_MissingArg",
-    BASENAMESPACE_SXP: "R_BaseNamespace",
-    EMPTYENV_SXP: "R_EmptyEnv",
-    BASEENV_SXP: "R_BaseEnv",
-}
 # CHARSXP encoding flags (in the "levels" bits of the flags word)
 _BYTES_MASK, _LATIN1_MASK, _UTF8_MASK, _ASCII_MASK = 1 << 1, 1 << 2, 1 << 3, 1 << 6
 
@@ -55,20 +39,12 @@ class RFormatError(ValueError):
     """The bytes are not a serialization this reader understands."""
 
 
-class RSymbol(str):
-    """An R symbol (a ``str`` holding its name)."""
-
-    def __repr__(self) -> str:
-        return f"RSymbol({str(self)!r})"
-
-
 @dataclass
 class RObject:
     """A decoded R object: its SEXP type, a Python value and its attributes.
 
     ``value`` is a ``list`` for vectors (``None`` for NA elements of logical, integer and
-    character vectors), ``bytes`` for raw vectors, a list of ``(tag, value)`` pairs for
-    pairlist-like objects, a dict for environments.
+    character vectors) and a list of ``(tag, value)`` pairs for pairlists.
     """
 
     sexptype: int
@@ -95,7 +71,6 @@ class _Reader:
         self.refs: list[Any] = []
         self.native_encoding = "utf-8"
 
-    # -- primitives -------------------------------------------------------------------------
     def _take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
             raise RFormatError(f"truncated R serialization at byte {self.pos} (need {n})")
@@ -115,120 +90,60 @@ class _Reader:
             raise RFormatError(f"negative vector length {n}")
         return n
 
-    def ints(self, n: int) -> list[int]:
-        return list(struct.unpack(f">{n}i", self._take(4 * n)))
-
-    def doubles(self, n: int) -> list[float]:
-        return list(struct.unpack(f">{n}d", self._take(8 * n)))
-
-    # -- header -----------------------------------------------------------------------------
-    def header(self) -> int:
+    def header(self) -> None:
         fmt = bytes(self._take(2))
         if fmt != b"X\n":
             kind = {b"A\n": "ASCII", b"B\n": "native binary"}.get(fmt, repr(fmt))
             raise RFormatError(f"only XDR R serializations are supported (got {kind})")
         version = self.int()
-        self.int()  # writer R version
-        self.int()  # minimal reader R version
+        self._take(8)  # the writer's and the minimal reader's R versions
         if version == 3:
-            nelen = self.int()
-            enc = bytes(self._take(nelen)).decode("ascii", "replace")
-            self.native_encoding = _python_encoding(enc)
+            enc = bytes(self._take(self.int())).decode("ascii", "replace").strip()
+            try:  # the writer's native encoding, where Python knows it (else UTF-8)
+                self.native_encoding = codecs.lookup(enc).name
+            except LookupError:
+                pass
         elif version != 2:
             raise RFormatError(f"unsupported R serialization version {version}")
-        return version
 
-    # -- items ------------------------------------------------------------------------------
     def item(self, flags: int | None = None) -> Any:
-        if flags is None:
-            flags = self.int()
+        flags = self.int() if flags is None else flags
         t = flags & 0xFF
-        levels = flags >> 12
-        has_attr = bool(flags & (1 << 9))
-        has_tag = bool(flags & (1 << 10))
-
         if t == NILVALUE_SXP:
             return None
-        if t in _SPECIAL_VALUES:
-            return RObject(t, _SPECIAL_VALUES[t])
         if t == REFSXP:
-            idx = flags >> 8
-            if idx == 0:
-                idx = self.int()
+            idx = (flags >> 8) or self.int()
             if not 1 <= idx <= len(self.refs):
                 raise RFormatError(f"bad reference index {idx}")
             return self.refs[idx - 1]
-        if t in (PERSISTSXP, PACKAGESXP, NAMESPACESXP):
-            obj = RObject(t, self.string_vec())
-            self.refs.append(obj)
-            return obj
         if t == SYMSXP:
             name = self.item()  # a CHARSXP
-            sym = RSymbol(name if name is not None else "NA")
+            sym = "NA" if name is None else name
             self.refs.append(sym)
             return sym
-        if t == ENVSXP:
-            locked = self.int()
-            env = RObject(ENVSXP, {"locked": bool(locked)})
-            self.refs.append(env)
-            env.value["enclos"] = self.item()
-            env.value["frame"] = self.item()
-            env.value["hashtab"] = self.item()
-            attrib = self.item()
-            env.attributes = _pairlist_to_attrs(attrib)
-            return env
-        if t in _PAIRLIST_TYPES:
+        if t in (LISTSXP, ATTRLISTSXP):
             return self.pairlist(flags)
         if t == ALTREP_SXP:
             return self.altrep()
         if t == CHARSXP:
-            return self.charsxp(levels)
-
+            return self.charsxp(flags >> 12)
         if t in (LGLSXP, INTSXP):
             n = self.length()
-            vals: Any = [None if v == _NA_INT else v for v in self.ints(n)]
+            vals: Any = [None if v == _NA_INT else v
+                         for v in struct.unpack(f">{n}i", self._take(4 * n))]
             if t == LGLSXP:
                 vals = [None if v is None else bool(v) for v in vals]
         elif t == REALSXP:
-            vals = self.doubles(self.length())
-        elif t == CPLXSXP:
-            d = self.doubles(2 * self.length())
-            vals = [complex(d[i], d[i + 1]) for i in range(0, len(d), 2)]
-        elif t == STRSXP:
             n = self.length()
-            vals = [self.item() for _ in range(n)]
-        elif t in (VECSXP, EXPRSXP):
-            n = self.length()
-            vals = [self.item() for _ in range(n)]
-        elif t == RAWSXP:
-            vals = bytes(self._take(self.length()))
-        elif t in (SPECIALSXP, BUILTINSXP):
-            n = self.int()
-            vals = bytes(self._take(n)).decode("latin-1")
-        elif t == S4SXP:
-            vals = None
-        elif t == EXTPTRSXP:
-            obj = RObject(t, {})
-            self.refs.append(obj)
-            obj.value["prot"] = self.item()
-            obj.value["tag"] = self.item()
-            if has_attr:
-                obj.attributes = _pairlist_to_attrs(self.item())
-            return obj
-        elif t == WEAKREFSXP:
-            obj = RObject(t, None)
-            self.refs.append(obj)
-            if has_attr:
-                obj.attributes = _pairlist_to_attrs(self.item())
-            return obj
-        elif t in (BCODESXP, BCREPDEF, CLASSREFSXP, GENERICREFSXP):
-            raise RFormatError(f"R byte code / class references (type {t}) are not supported")
+            vals = list(struct.unpack(f">{n}d", self._take(8 * n)))
+        elif t in (STRSXP, VECSXP):
+            vals = [self.item() for _ in range(self.length())]
         else:
-            raise RFormatError(f"unknown SEXP type {t} at byte {self.pos - 4}")
+            raise RFormatError(f"R objects of SEXP type {t} (at byte {self.pos - 4}) are not read "
+                               "here: only vectors, lists and pairlists")
         obj = RObject(t, vals)
-        if has_attr:
+        if flags & (1 << 9):  # has attributes
             obj.attributes = _pairlist_to_attrs(self.item())
-        del has_tag
         return obj
 
     def charsxp(self, levels: int) -> str | None:
@@ -244,70 +159,37 @@ class _Reader:
             return raw.decode("ascii", "replace")
         return raw.decode(self.native_encoding, "replace")
 
-    def string_vec(self) -> list[str | None]:
-        if self.int() != 0:
-            raise RFormatError("names in persistent strings are not supported")
-        n = self.int()
-        return [self.item() for _ in range(n)]
-
     def pairlist(self, flags: int) -> RObject:
-        """A pairlist-like chain, read iteratively along its CDRs to avoid deep recursion."""
-        first_type = flags & 0xFF
-        out_type = {ATTRLANGSXP: LANGSXP, ATTRLISTSXP: LISTSXP}.get(first_type, first_type)
-        head = RObject(out_type, [])
-        attrs_done = False
+        """A pairlist, read iteratively along its CDRs to avoid deep recursion."""
+        head = RObject(LISTSXP, [])
         while True:
-            t = flags & 0xFF
-            has_attr = bool(flags & (1 << 9)) or t in (ATTRLANGSXP, ATTRLISTSXP)
-            has_tag = bool(flags & (1 << 10))
-            attr = self.item() if has_attr else None
-            if attr is not None and not attrs_done:
+            attr = self.item() if flags & (1 << 9) or flags & 0xFF == ATTRLISTSXP else None
+            if attr is not None and not head.value:
                 head.attributes = _pairlist_to_attrs(attr)
-            attrs_done = True
-            tag = self.item() if has_tag else None
-            car = self.item()
-            head.value.append((None if tag is None else str(tag), car))
+            tag = self.item() if flags & (1 << 10) else None
+            head.value.append((None if tag is None else str(tag), self.item()))
             flags = self.int()
-            nt = flags & 0xFF
-            if nt in (LISTSXP, ATTRLISTSXP) and out_type in (LISTSXP, LANGSXP, DOTSXP):
-                continue  # the CDR is the next cell of the same chain (closures: body, no)
-            tail = self.item(flags)
-            if tail is not None:
-                head.value.append((".cdr", tail))
-            return head
+            if flags & 0xFF not in (LISTSXP, ATTRLISTSXP):
+                tail = self.item(flags)
+                if tail is not None:
+                    head.value.append((".cdr", tail))
+                return head
 
     def altrep(self) -> Any:
-        info = self.item()
-        state = self.item()
-        attr = self.item()
-        cls = ""
-        if isinstance(info, RObject) and info.value:
-            cls = str(info.value[0][1])
-        if cls == "compact_intseq" and isinstance(state, RObject):
-            n, start, inc = (int(x) for x in state.value[:3])
-            obj = RObject(INTSXP, [start + i * inc for i in range(n)])
-        elif cls == "compact_realseq" and isinstance(state, RObject):
+        info, state, attr = self.item(), self.item(), self.item()
+        cls = str(info.value[0][1]) if isinstance(info, RObject) and info.value else ""
+        if cls in ("compact_intseq", "compact_realseq") and isinstance(state, RObject):
             n, start, inc = state.value[:3]
-            obj = RObject(REALSXP, [start + i * inc for i in range(int(n))])
+            t, cast = (INTSXP, int) if cls == "compact_intseq" else (REALSXP, float)
+            obj = RObject(t, [cast(start + i * inc) for i in range(int(n))])
         elif cls.startswith("wrap_") and isinstance(state, RObject):
             inner = state.value[0]
             obj = RObject(inner.sexptype, inner.value, dict(inner.attributes))
-        elif cls == "deferred_string" and isinstance(state, RObject):
-            arg = state.value[0][1] if state.sexptype == LISTSXP else state.value[0]
-            obj = RObject(STRSXP, [None if v is None else _r_number_string(v) for v in arg.value])
         else:
             raise RFormatError(f"unsupported ALTREP class {cls!r}")
         if attr is not None:
             obj.attributes = _pairlist_to_attrs(attr)
         return obj
-
-
-def _r_number_string(v: Any) -> str:
-    if isinstance(v, float):
-        if math.isfinite(v) and v == int(v):
-            return str(int(v))
-        return repr(v)
-    return str(v)
 
 
 def _pairlist_to_attrs(obj: Any) -> dict[str, Any]:
@@ -316,19 +198,6 @@ def _pairlist_to_attrs(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, RObject) or obj.sexptype != LISTSXP:
         raise RFormatError("attributes are not a pairlist")
     return {str(tag): value for tag, value in obj.value if tag is not None and tag != ".cdr"}
-
-
-def _python_encoding(r_name: str) -> str:
-    name = r_name.strip().lower()
-    if name in ("utf-8", "utf8", ""):
-        return "utf-8"
-    if name in ("latin1", "iso-8859-1", "iso8859-1", "cp1252"):
-        return "latin-1"
-    try:
-        "".encode(name)
-    except LookupError:
-        return "utf-8"
-    return name
 
 
 def unserialize(data: bytes) -> Any:

@@ -171,10 +171,6 @@ class BlockLayout:
     counts: list[int]  # host copy of counts_N
     num_rows: int  # R
 
-    @property
-    def num_padding(self) -> int:
-        return self.num_rows - self.row_P.numel()
-
 
 def block_layout(d: Dispatch, max_rows: int, pad_limit: float = 1.25, small_group: int = 96,
                  small_pad_limit: float = 2.0) -> BlockLayout:

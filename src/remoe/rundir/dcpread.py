@@ -69,10 +69,6 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-def _is_allowed_value(x: Any, values: list[Any]) -> bool:
-    return any(x is v for v in values)
-
-
 class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be checked
     """Unpickles only the objects :func:`_allowed` names (see the module doc)."""
 

@@ -221,12 +221,6 @@ class FlopCounter:
     def train_flops(self, tokens: int, active_pairs: float) -> float:
         return 3.0 * self.forward_flops(tokens, active_pairs)
 
-    def sparse_train_flops_per_token(self) -> float:
-        """Training FLOPs per token at exactly k*G experts in every MoE layer."""
-        r = self.spec.routing
-        pairs = self.spec.backbone.num_layers * r.top_k * r.granularity if self._is_moe else 0
-        return self.train_flops(1, pairs)
-
 
 # ----------------------------------------------------------------------------- routing masks
 # Recorded during training: the fixed calibration sequences they are taken on, and the

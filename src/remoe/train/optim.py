@@ -99,14 +99,6 @@ def update(optimizer: torch.optim.Optimizer, grad_norm: float, step: int, ckpt_r
     optimizer.zero_grad(set_to_none=True)
 
 
-def apply_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module, clip: float,
-                    step: int, ckpt_root: Path, ep=None) -> float:
-    """Finish the expert-parallel gradients, clip, update, zero; returns the gradient norm."""
-    grad_norm = float(finish_and_clip(model, clip, ep))
-    update(optimizer, grad_norm, step, ckpt_root)
-    return grad_norm
-
-
 def stop_reason(tc, step: int, tokens: int, flops: float) -> str | None:
     """Why a run with ``train`` section ``tc`` stops after ``step`` steps, ``tokens`` tokens
     and ``flops`` FLOPs (None: it goes on)."""
