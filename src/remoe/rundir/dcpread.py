@@ -78,8 +78,7 @@ class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its 
         super().__init__(file)
         self.where = where
         self.allowed = _allowed()
-        self.values = list(self.allowed.values())
-        self.classes = tuple(v for v in self.values if isinstance(v, type))
+        self.classes = tuple(v for v in self.allowed.values() if isinstance(v, type))
 
     def refuse(self, what: str):
         raise UnsafeCheckpointError(
